@@ -1,0 +1,22 @@
+"""Shared fixtures: the golden tiny checkpoint and its reference outputs (copied into tests/data)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+DATA = Path(__file__).parent / "data"
+V2_TINY = DATA / "cosyvoice2-tiny"
+
+
+@pytest.fixture(scope="session")
+def v2_tiny_dir() -> Path:
+    return V2_TINY
+
+
+@pytest.fixture(scope="session")
+def v2_reference() -> dict[str, np.ndarray]:
+    with np.load(V2_TINY / "reference.npz") as data:
+        return {key: data[key] for key in data.files}

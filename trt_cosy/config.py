@@ -1,0 +1,380 @@
+"""Model configuration read from an official release directory (yaml + Qwen config.json).
+
+Only numbers live here; nothing is instantiated. ``ModelConfig.from_release_dir`` is the one
+entry point. Every field mirrors a value of the official yaml (see docs/cosyvoice-spec §1.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from .errors import ModelDirError
+from .hyperyaml import Tagged, find_tagged, load_hyperyaml
+
+__all__ = [
+    "QwenConfig",
+    "LLMConfig",
+    "FlowEncoderConfig",
+    "EstimatorConfig",
+    "CFMConfig",
+    "FlowConfig",
+    "HiFTConfig",
+    "MelConfig",
+    "ModelConfig",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+YAML_BY_FAMILY: Final = {"v1": "cosyvoice.yaml", "v2": "cosyvoice2.yaml", "v3": "cosyvoice3.yaml"}
+QWEN_DIR: Final = "CosyVoice-BlankEN"
+
+
+@dataclass(frozen=True)
+class QwenConfig:
+    """The Qwen2 backbone's shape, from ``CosyVoice-BlankEN/config.json``."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_json(cls, path: Path) -> QwenConfig:
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise ModelDirError(
+                f"{path} is missing: a CosyVoice2 release has the Qwen2 config in {QWEN_DIR}/. "
+                "Re-download the release."
+            ) from exc
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelDirError(f"{path} is not readable JSON ({exc}). Re-download the release.") from exc
+        try:
+            return cls(
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=int(raw["num_attention_heads"]),
+                num_kv_heads=int(raw.get("num_key_value_heads", raw["num_attention_heads"])),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                vocab_size=int(raw["vocab_size"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelDirError(
+                f"{path} lacks or mistypes a Qwen2 field ({exc!r}); expected hidden_size, "
+                "intermediate_size, num_hidden_layers, num_attention_heads, vocab_size."
+            ) from exc
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """Speech LLM around the Qwen2 backbone (CosyVoice2 ``Qwen2LM``)."""
+
+    qwen: QwenConfig
+    llm_input_size: int
+    speech_token_size: int = 6561  # FSQ 3^8 speech tokens; ids >= this are specials
+    num_speech_specials: int = 3  # v2: eos 6561, 6562, fill 6563
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+
+    @property
+    def speech_vocab_size(self) -> int:
+        """Rows of ``speech_embedding`` and outputs of ``llm_decoder`` (6564 for v2)."""
+        return self.speech_token_size + self.num_speech_specials
+
+    @property
+    def eos_token(self) -> int:
+        return self.speech_token_size
+
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        return tuple(range(self.speech_token_size, self.speech_vocab_size))
+
+
+@dataclass(frozen=True)
+class FlowEncoderConfig:
+    """UpsampleConformerEncoder (v2)."""
+
+    input_size: int
+    output_size: int
+    attention_heads: int
+    linear_units: int
+    num_blocks: int
+    num_up_blocks: int = 4  # hard-coded in the official class
+    static_chunk_size: int = 25
+    pre_lookahead_len: int = 3
+    upsample_stride: int = 2
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    """CausalConditionalDecoder (v2 CFM estimator)."""
+
+    in_channels: int
+    out_channels: int
+    channels: tuple[int, ...]
+    attention_head_dim: int
+    n_blocks: int
+    num_mid_blocks: int
+    num_heads: int
+    static_chunk_size: int = 50
+
+
+@dataclass(frozen=True)
+class CFMConfig:
+    """Conditional flow matching solver settings."""
+
+    n_timesteps: int = 10
+    inference_cfg_rate: float = 0.7
+    t_scheduler: str = "cosine"
+    noise_frames: int = 15000  # official fixed noise randn(1, 80, 15000) after seed 0
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    vocab_size: int
+    input_size: int
+    output_size: int
+    spk_embed_dim: int
+    token_mel_ratio: int
+    encoder: FlowEncoderConfig
+    estimator: EstimatorConfig
+    cfm: CFMConfig = field(default_factory=CFMConfig)
+
+
+@dataclass(frozen=True)
+class HiFTConfig:
+    in_channels: int = 80
+    base_channels: int = 512
+    nb_harmonics: int = 8
+    sampling_rate: int = 24000
+    nsf_alpha: float = 0.1
+    nsf_sigma: float = 0.003
+    nsf_voiced_threshold: float = 10.0
+    upsample_rates: tuple[int, ...] = (8, 5, 3)
+    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
+    istft_n_fft: int = 16
+    istft_hop_len: int = 4
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    lrelu_slope: float = 0.1
+    audio_limit: float = 0.99
+    f0_in_channels: int = 80
+    f0_cond_channels: int = 512
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Waveform samples per mel frame (480 for v2)."""
+        total = self.istft_hop_len
+        for rate in self.upsample_rates:
+            total *= rate
+        return total
+
+
+@dataclass(frozen=True)
+class MelConfig:
+    """Matcha ``mel_spectrogram`` settings of the flow's prompt mel (``feat_extractor``)."""
+
+    n_fft: int = 1920
+    num_mels: int = 80
+    sampling_rate: int = 24000
+    hop_size: int = 480
+    win_size: int = 1920
+    fmin: float = 0.0
+    fmax: float | None = 8000.0
+    center: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything inference needs from a release directory."""
+
+    family: str  # "v2" (v1/v3 later)
+    sample_rate: int
+    token_frame_rate: int
+    token_mel_ratio: int
+    chunk_size: int
+    llm: LLMConfig
+    flow: FlowConfig
+    hift: HiFTConfig
+    mel: MelConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_release_dir(cls, model_dir: Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ModelDirError(
+                f"model directory {model_dir} does not exist. Pass the folder of an official release "
+                "(e.g. CosyVoice2-0.5B downloaded with `trt-cosy download`)."
+            )
+        yaml_path = model_dir / YAML_BY_FAMILY["v2"]
+        if not yaml_path.is_file():
+            others = [name for name in YAML_BY_FAMILY.values() if (model_dir / name).is_file()]
+            hint = f" It has {others[0]}, a family not supported yet." if others else ""
+            raise ModelDirError(
+                f"{model_dir} has no {yaml_path.name}; expected an official CosyVoice2 release "
+                f"directory (cosyvoice2.yaml, llm.pt, flow.pt, hift.pt, {QWEN_DIR}/).{hint}"
+            )
+        doc = load_hyperyaml(yaml_path, {"qwen_pretrain_path": str(model_dir / QWEN_DIR)})
+        qwen = QwenConfig.from_json(model_dir / QWEN_DIR / "config.json")
+        return _v2_from_yaml(doc, qwen, yaml_path)
+
+
+def _node(doc: dict[str, Any], key: str, class_name: str, source: Path) -> Tagged:
+    node = doc.get(key)
+    if not isinstance(node, Tagged) or node.class_name != class_name:
+        found = node.class_name if isinstance(node, Tagged) else type(node).__name__
+        raise ModelDirError(
+            f"{source}: key '{key}' should be !new:...{class_name}, found {found}. "
+            "This is not a CosyVoice2 yaml; re-download the release."
+        )
+    return node
+
+
+def _child(parent: Tagged, key: str, class_name: str, source: Path) -> Tagged:
+    node = find_tagged(parent.kwargs.get(key), class_name)
+    if node is None:
+        raise ModelDirError(f"{source}: {parent.class_name}.{key} should be a {class_name}.")
+    return node
+
+
+def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelConfig:
+    try:
+        llm = _node(doc, "llm", "Qwen2LM", source)
+        flow = _node(doc, "flow", "CausalMaskedDiffWithXvec", source)
+        hift = _node(doc, "hift", "HiFTGenerator", source)
+        encoder = _child(flow, "encoder", "UpsampleConformerEncoder", source)
+        cfm = _child(flow, "decoder", "CausalConditionalCFM", source)
+        estimator = _child(cfm, "estimator", "CausalConditionalDecoder", source)
+        f0 = _child(hift, "f0_predictor", "ConvRNNF0Predictor", source)
+        sampling = llm.get("sampling")
+        sampling_kwargs = sampling.kwargs if isinstance(sampling, Tagged) else {}
+        cfm_params = cfm.get("cfm_params")
+        cfm_values = cfm_params.kwargs.get("content", {}) if isinstance(cfm_params, Tagged) else {}
+        token_mel_ratio = int(doc.get("token_mel_ratio", flow.get("token_mel_ratio", 2)))
+        llm_config = LLMConfig(
+            qwen=qwen,
+            llm_input_size=int(llm["llm_input_size"]),
+            speech_token_size=int(llm.get("speech_token_size", 6561)),
+            top_p=float(sampling_kwargs.get("top_p", 0.8)),
+            top_k=int(sampling_kwargs.get("top_k", 25)),
+            win_size=int(sampling_kwargs.get("win_size", 10)),
+            tau_r=float(sampling_kwargs.get("tau_r", 0.1)),
+        )
+        if llm_config.llm_input_size != qwen.hidden_size:
+            raise ModelDirError(
+                f"{source}: llm_input_size {llm_config.llm_input_size} differs from the Qwen2 "
+                f"hidden_size {qwen.hidden_size} in {QWEN_DIR}/config.json; the files do not belong together."
+            )
+        flow_config = FlowConfig(
+            vocab_size=int(flow["vocab_size"]),
+            input_size=int(flow["input_size"]),
+            output_size=int(flow["output_size"]),
+            spk_embed_dim=int(flow["spk_embed_dim"]),
+            token_mel_ratio=token_mel_ratio,
+            encoder=FlowEncoderConfig(
+                input_size=int(encoder["input_size"]),
+                output_size=int(encoder["output_size"]),
+                attention_heads=int(encoder["attention_heads"]),
+                linear_units=int(encoder["linear_units"]),
+                num_blocks=int(encoder["num_blocks"]),
+                static_chunk_size=int(encoder.get("static_chunk_size", 25)),
+                pre_lookahead_len=int(flow.get("pre_lookahead_len", 3)),
+            ),
+            estimator=EstimatorConfig(
+                in_channels=int(estimator["in_channels"]),
+                out_channels=int(estimator["out_channels"]),
+                channels=tuple(int(c) for c in estimator["channels"]),
+                attention_head_dim=int(estimator["attention_head_dim"]),
+                n_blocks=int(estimator["n_blocks"]),
+                num_mid_blocks=int(estimator["num_mid_blocks"]),
+                num_heads=int(estimator["num_heads"]),
+                static_chunk_size=int(estimator.get("static_chunk_size", 50)),
+            ),
+            cfm=CFMConfig(
+                inference_cfg_rate=float(cfm_values.get("inference_cfg_rate", 0.7)),
+                t_scheduler=str(cfm_values.get("t_scheduler", "cosine")),
+            ),
+        )
+        istft = hift.get("istft_params", {}) or {}
+        hift_config = HiFTConfig(
+            in_channels=int(hift.get("in_channels", 80)),
+            base_channels=int(hift.get("base_channels", 512)),
+            nb_harmonics=int(hift.get("nb_harmonics", 8)),
+            sampling_rate=int(hift.get("sampling_rate", 24000)),
+            nsf_alpha=float(hift.get("nsf_alpha", 0.1)),
+            nsf_sigma=float(hift.get("nsf_sigma", 0.003)),
+            nsf_voiced_threshold=float(hift.get("nsf_voiced_threshold", 10)),
+            upsample_rates=tuple(int(v) for v in hift["upsample_rates"]),
+            upsample_kernel_sizes=tuple(int(v) for v in hift["upsample_kernel_sizes"]),
+            istft_n_fft=int(istft.get("n_fft", 16)),
+            istft_hop_len=int(istft.get("hop_len", 4)),
+            resblock_kernel_sizes=tuple(int(v) for v in hift["resblock_kernel_sizes"]),
+            resblock_dilation_sizes=tuple(tuple(int(d) for d in ds) for ds in hift["resblock_dilation_sizes"]),
+            source_resblock_kernel_sizes=tuple(int(v) for v in hift["source_resblock_kernel_sizes"]),
+            source_resblock_dilation_sizes=tuple(
+                tuple(int(d) for d in ds) for ds in hift["source_resblock_dilation_sizes"]
+            ),
+            lrelu_slope=float(hift.get("lrelu_slope", 0.1)),
+            audio_limit=float(hift.get("audio_limit", 0.99)),
+            f0_in_channels=int(f0.get("in_channels", 80)),
+            f0_cond_channels=int(f0.get("cond_channels", 512)),
+        )
+        mel_config = _mel_config(doc)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelDirError(
+            f"{source}: a required value is missing or mistyped ({exc!r}). Re-download the release."
+        ) from exc
+    return ModelConfig(
+        family="v2",
+        sample_rate=int(doc.get("sample_rate", 24000)),
+        token_frame_rate=int(doc.get("token_frame_rate", 25)),
+        token_mel_ratio=token_mel_ratio,
+        chunk_size=int(doc.get("chunk_size", 25)),
+        llm=llm_config,
+        flow=flow_config,
+        hift=hift_config,
+        mel=mel_config,
+    )
+
+
+def _mel_config(doc: dict[str, Any]) -> MelConfig:
+    """``feat_extractor`` partial; the release defaults when the key is absent (trimmed yamls)."""
+    node = doc.get("feat_extractor")
+    if not isinstance(node, Tagged):
+        _LOGGER.debug("yaml has no feat_extractor; using the CosyVoice2 release mel settings")
+        return MelConfig()
+    fmax = node.get("fmax", 8000)
+    return MelConfig(
+        n_fft=int(node.get("n_fft", 1920)),
+        num_mels=int(node.get("num_mels", 80)),
+        sampling_rate=int(node.get("sampling_rate", 24000)),
+        hop_size=int(node.get("hop_size", 480)),
+        win_size=int(node.get("win_size", 1920)),
+        fmin=float(node.get("fmin", 0)),
+        fmax=None if fmax is None else float(fmax),
+        center=bool(node.get("center", False)),
+    )

@@ -1,0 +1,107 @@
+"""The graph contracts: what each exported stage takes and returns, by name.
+
+Shared by the torch reference modules (``trt_cosy.build.modules``), the ONNX export, the
+runtime runners and the TensorRT profiles. Shapes use B (batch), T (new positions), P (cached
+positions), N (tokens), F (mel frames), S (samples), L (layers), H (KV heads), Dh (head dim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["TensorSpec", "GraphSpec", "GRAPHS", "LLM", "FLOW_ENCODER", "FLOW_ESTIMATOR",
+           "FLOW_ESTIMATOR_STREAM", "HIFT"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name
+    shape: tuple[str | int, ...]  # symbolic dims are strings
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.outputs)
+
+
+# Qwen2 backbone + speech head. Embedding lookups happen on the host (tables stored as .npy),
+# so the 151936-row text table never enters the graph and the text LM head is never computed.
+# Positions of the new inputs are P .. P+T-1 (P = cached length); attention is causal.
+LLM: Final = GraphSpec(
+    "llm",
+    inputs=(
+        TensorSpec("inputs_embeds", "float32", (1, "T", "D")),
+        TensorSpec("past_keys", "float32", ("L", 1, "H", "P", "Dh")),
+        TensorSpec("past_values", "float32", ("L", 1, "H", "P", "Dh")),
+    ),
+    outputs=(
+        TensorSpec("logits", "float32", (1, "T", "V")),  # raw llm_decoder output, V = 6564
+        TensorSpec("hidden", "float32", (1, "T", "D")),  # final-RMSNorm hidden states
+        TensorSpec("present_keys", "float32", ("L", 1, "H", "P+T", "Dh")),
+        TensorSpec("present_values", "float32", ("L", 1, "H", "P+T", "Dh")),
+    ),
+)
+
+# Token embedding + UpsampleConformerEncoder + encoder_proj + speaker affine.
+# ``tokens`` = prompt tokens ++ new tokens (without the look-ahead context). ``context`` holds
+# the 3 look-ahead tokens; ``context_valid`` = 1 uses them, 0 pads with zeros (finalize).
+# ``streaming`` = 1 uses the official chunk masks (25 tokens / 50 frames), 0 full attention.
+FLOW_ENCODER: Final = GraphSpec(
+    "flow_encoder",
+    inputs=(
+        TensorSpec("tokens", "int64", (1, "N")),
+        TensorSpec("context", "int64", (1, 3)),
+        TensorSpec("context_valid", "float32", (1,)),
+        TensorSpec("streaming", "float32", (1,)),
+        TensorSpec("embedding", "float32", (1, 192)),
+    ),
+    outputs=(
+        TensorSpec("mu", "float32", (1, 80, "2N")),
+        TensorSpec("spks", "float32", (1, 80)),
+    ),
+)
+
+_ESTIMATOR_INPUTS: Final = (
+    TensorSpec("x", "float32", (2, 80, "F")),
+    TensorSpec("mask", "float32", (2, 1, "F")),
+    TensorSpec("mu", "float32", (2, 80, "F")),
+    TensorSpec("t", "float32", (2,)),
+    TensorSpec("spks", "float32", (2, 80)),
+    TensorSpec("cond", "float32", (2, 80, "F")),
+)
+_ESTIMATOR_OUTPUTS: Final = (TensorSpec("estimator_out", "float32", (2, 80, "F")),)
+
+# The official estimator I/O (batch 2 = the CFG pair). Full attention.
+FLOW_ESTIMATOR: Final = GraphSpec("flow_estimator", _ESTIMATOR_INPUTS, _ESTIMATOR_OUTPUTS)
+# Same weights, 50-frame chunk attention mask (streaming chunks that are not final).
+FLOW_ESTIMATOR_STREAM: Final = GraphSpec("flow_estimator_stream", _ESTIMATOR_INPUTS, _ESTIMATOR_OUTPUTS)
+
+# HiFT: f0 predictor, NSF source (noise injected), decoder, iSTFT. ``cache_source`` (length
+# S <= 480F, may be 0) overwrites the start of the generated source (streaming continuity).
+HIFT: Final = GraphSpec(
+    "hift",
+    inputs=(
+        TensorSpec("mel", "float32", (1, 80, "F")),
+        TensorSpec("sine_noise", "float32", (1, "480F", 9)),
+        TensorSpec("cache_source", "float32", (1, 1, "S")),
+    ),
+    outputs=(
+        TensorSpec("wav", "float32", (1, "480F")),
+        TensorSpec("source", "float32", (1, 1, "480F")),
+        TensorSpec("f0", "float32", (1, "F")),
+    ),
+)
+
+GRAPHS: Final = {g.name: g for g in (LLM, FLOW_ENCODER, FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, HIFT)}
