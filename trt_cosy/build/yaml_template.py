@@ -1,0 +1,162 @@
+"""The ``cosyvoice2.yaml`` that ``trt-cosy make-test-model`` writes.
+
+Same tags, keys and structure as the released file (so HyperPyYAML and our reader both load
+it); the widths are parameters so tiny and full-size test models share one template. Only the
+inference-relevant sections are written (like the golden tiny set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["YamlSizes", "TINY_SIZES", "FULL_SIZES", "render_cosyvoice2_yaml"]
+
+
+@dataclass(frozen=True)
+class YamlSizes:
+    llm_size: int
+    flow_width: int
+    encoder_heads: int
+    encoder_ff: int
+    encoder_blocks: int
+    estimator_channels: int
+    estimator_head_dim: int
+    estimator_blocks: int
+    estimator_mid_blocks: int
+    estimator_heads: int
+    hift_channels: int
+    f0_channels: int
+
+
+# The golden tiny set's sizes (../shared/golden/README.md §1.2).
+TINY_SIZES: Final = YamlSizes(64, 64, 2, 128, 2, 64, 32, 1, 2, 2, 64, 64)
+# The released CosyVoice2-0.5B sizes.
+FULL_SIZES: Final = YamlSizes(896, 512, 8, 2048, 6, 256, 64, 4, 12, 8, 512, 512)
+
+_TEMPLATE: Final = """\
+# Random-weight test model written by `trt-cosy make-test-model` ({size_name}).
+# Structure and tags follow the released CosyVoice2-0.5B cosyvoice2.yaml; weights are random.
+__set_seed1: !apply:random.seed [1986]
+__set_seed2: !apply:numpy.random.seed [1986]
+__set_seed3: !apply:torch.manual_seed [1986]
+__set_seed4: !apply:torch.cuda.manual_seed_all [1986]
+
+sample_rate: 24000
+llm_input_size: {s.llm_size}
+llm_output_size: {s.llm_size}
+spk_embed_dim: 192
+qwen_pretrain_path: ''
+token_frame_rate: 25
+token_mel_ratio: 2
+chunk_size: 25
+num_decoding_left_chunks: -1
+
+llm: !new:cosyvoice.llm.llm.Qwen2LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: 6561
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [5, 15]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: 0.8
+        top_k: 25
+        win_size: 10
+        tau_r: 0.1
+
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
+    input_size: {s.flow_width}
+    output_size: 80
+    spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
+    vocab_size: 6561
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
+    token_mel_ratio: !ref <token_mel_ratio>
+    pre_lookahead_len: 3
+    encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
+        output_size: {s.flow_width}
+        attention_heads: {s.encoder_heads}
+        linear_units: {s.encoder_ff}
+        num_blocks: {s.encoder_blocks}
+        dropout_rate: 0.1
+        positional_dropout_rate: 0.1
+        attention_dropout_rate: 0.1
+        normalize_before: True
+        input_layer: 'linear'
+        pos_enc_layer_type: 'rel_pos_espnet'
+        selfattention_layer_type: 'rel_selfattn'
+        input_size: {s.flow_width}
+        use_cnn_module: False
+        macaron_style: False
+        static_chunk_size: !ref <chunk_size>
+    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
+        in_channels: 240
+        n_spks: 1
+        spk_emb_dim: 80
+        cfm_params: !new:omegaconf.DictConfig
+            content:
+                sigma_min: 1e-06
+                solver: 'euler'
+                t_scheduler: 'cosine'
+                training_cfg_rate: 0.2
+                inference_cfg_rate: 0.7
+                reg_loss_type: 'l1'
+        estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
+            in_channels: 320
+            out_channels: 80
+            channels: [{s.estimator_channels}]
+            dropout: 0.0
+            attention_head_dim: {s.estimator_head_dim}
+            n_blocks: {s.estimator_blocks}
+            num_mid_blocks: {s.estimator_mid_blocks}
+            num_heads: {s.estimator_heads}
+            act_fn: 'gelu'
+            static_chunk_size: !ref <chunk_size> * <token_mel_ratio>
+            num_decoding_left_chunks: !ref <num_decoding_left_chunks>
+
+hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
+    in_channels: 80
+    base_channels: {s.hift_channels}
+    nb_harmonics: 8
+    sampling_rate: !ref <sample_rate>
+    nsf_alpha: 0.1
+    nsf_sigma: 0.003
+    nsf_voiced_threshold: 10
+    upsample_rates: [8, 5, 3]
+    upsample_kernel_sizes: [16, 11, 7]
+    istft_params:
+        n_fft: 16
+        hop_len: 4
+    resblock_kernel_sizes: [3, 7, 11]
+    resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    source_resblock_kernel_sizes: [7, 7, 11]
+    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    lrelu_slope: 0.1
+    audio_limit: 0.99
+    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
+        num_class: 1
+        in_channels: 80
+        cond_channels: {s.f0_channels}
+
+get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
+    token_path: !ref <qwen_pretrain_path>
+    skip_special_tokens: True
+allowed_special: 'all'
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: 1920
+    num_mels: 80
+    sampling_rate: !ref <sample_rate>
+    hop_size: 480
+    win_size: 1920
+    fmin: 0
+    fmax: 8000
+    center: False
+"""
+
+
+def render_cosyvoice2_yaml(sizes: YamlSizes, size_name: str) -> str:
+    return _TEMPLATE.format(s=sizes, size_name=size_name)

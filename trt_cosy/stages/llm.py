@@ -1,0 +1,193 @@
+"""The speech-LLM stage (numpy only): embedding lookups on the host, KV-cached decode through a
+runner that follows the ``LLM`` graph contract (``trt_cosy.runtime.graphs``).
+
+Sequence layout (spec §3.2): ``[sos, text_emb(prompt_text ++ text), task, speech_emb(prompt_speech)]``.
+Decode loop (spec §3.3): prefill, then one speech token per step; eos (and only eos) is masked
+while fewer than ``min_len`` tokens were produced; a stop token ends the stream without being
+yielded. All per-request state lives inside one ``generate`` call, so a single ``LLMStage`` can
+serve many threads at once (as far as its runner allows).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from typing import Final
+
+import numpy as np
+
+from ..config import LLMConfig
+from ..errors import InputError, ModelDirError
+from ..runtime.base import Runner
+from .sampling import Sampler, log_softmax
+
+__all__ = ["LLMStage"]
+
+_LOGGER = logging.getLogger(__name__)
+_TABLES: Final = ("text_embedding", "speech_embedding", "llm_embedding")
+_SOS_ROW: Final = 0
+_TASK_ROW: Final = 1
+
+
+class LLMStage:
+    """Text ids in, speech token ids out.
+
+    Args:
+        runner: any Runner for the ``LLM`` graph (torch reference, ONNX Runtime, TensorRT).
+        tables: float32 ``text_embedding`` (vocab, D), ``speech_embedding`` (V, D) and
+            ``llm_embedding`` (2, D), as written by ``build.modules.llm.embedding_tables``.
+        config: the release's ``LLMConfig`` (vocab sizes, sampling and length ratios).
+    """
+
+    def __init__(self, runner: Runner, tables: Mapping[str, np.ndarray], config: LLMConfig):
+        missing = [name for name in _TABLES if name not in tables]
+        if missing:
+            raise ModelDirError(f"LLM embedding tables {missing} are missing; rebuild with `trt-cosy build`.")
+        self.runner = runner
+        self.config = config
+        self.text_embedding = np.asarray(tables["text_embedding"], dtype=np.float32)  # [vocab, D]
+        self.speech_embedding = np.asarray(tables["speech_embedding"], dtype=np.float32)  # [V, D]
+        self.llm_embedding = np.asarray(tables["llm_embedding"], dtype=np.float32)  # [2, D]
+        width = config.llm_input_size
+        shapes = {name: getattr(self, name).shape for name in _TABLES}
+        if (
+            any(len(shape) != 2 or shape[1] != width for shape in shapes.values())
+            or shapes["speech_embedding"][0] != config.speech_vocab_size
+            or shapes["llm_embedding"][0] != 2
+        ):
+            raise ModelDirError(
+                f"LLM embedding tables {shapes} do not fit the model config (width {width}, "
+                f"{config.speech_vocab_size} speech rows); rebuild the engines for this release."
+            )
+
+    def length_limits(self, num_text_tokens: int) -> tuple[int, int]:
+        """(min_len, max_len) in speech tokens for a text of that many tokens (prompt excluded)."""
+        config = self.config
+        return int(num_text_tokens * config.min_token_text_ratio), int(
+            num_text_tokens * config.max_token_text_ratio
+        )
+
+    def build_inputs(
+        self, text_ids: np.ndarray, prompt_text_ids: np.ndarray, prompt_speech_ids: np.ndarray
+    ) -> np.ndarray:
+        """The prefill embeddings ``[sos, text(prompt_text ++ text), task, speech(prompt_speech)]``: [1, L, D]."""
+        text = np.concatenate(
+            [
+                _as_ids(prompt_text_ids, "prompt_text_ids", len(self.text_embedding)),
+                _as_ids(text_ids, "text_ids", len(self.text_embedding)),
+            ]
+        )  # text: [Nt]
+        speech = _as_ids(prompt_speech_ids, "prompt_speech_ids", self.config.speech_token_size)  # [Ns]
+        sequence = np.concatenate(
+            [
+                self.llm_embedding[_SOS_ROW : _SOS_ROW + 1],  # [1, D]
+                self.text_embedding[text],  # [Nt, D]
+                self.llm_embedding[_TASK_ROW : _TASK_ROW + 1],  # [1, D]
+                self.speech_embedding[speech],  # [Ns, D]
+            ]
+        )  # sequence: [L, D]
+        return sequence[None]  # [1, L, D]
+
+    def generate(
+        self,
+        text_ids: np.ndarray,
+        prompt_text_ids: np.ndarray,
+        prompt_speech_ids: np.ndarray,
+        sampler: Sampler,
+        max_new_tokens: int | None = None,
+    ) -> Iterator[int]:
+        """Speech token ids for ``text_ids``, one at a time (lazy: decoding runs as you iterate).
+
+        Inputs are validated at once. ``max_new_tokens`` further caps the official
+        ``max_len = 20 * len(text_ids)``. ``sampler(logp, decoded) -> int`` picks each token;
+        give each request its own sampler (a seeded ``RASSampler`` or ``greedy_sample``).
+        """
+        num_text = _as_ids(text_ids, "text_ids", len(self.text_embedding)).size
+        if num_text == 0:
+            raise InputError(
+                "text_ids is empty: there is nothing to synthesise. Pass at least one text token."
+            )
+        if max_new_tokens is not None and max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0 or None, got {max_new_tokens}.")
+        lm_input = self.build_inputs(text_ids, prompt_text_ids, prompt_speech_ids)  # [1, L, D]
+        min_len, max_len = self.length_limits(num_text)
+        if max_new_tokens is not None:
+            max_len = min(max_len, max_new_tokens)
+        return self._decode(lm_input, sampler, min_len, max_len)
+
+    def _decode(self, lm_input: np.ndarray, sampler: Sampler, min_len: int, max_len: int) -> Iterator[int]:
+        eos, stop_tokens = self.config.eos_token, frozenset(self.config.stop_tokens)
+        past_keys, past_values = self._empty_cache()
+        inputs = lm_input  # inputs: [1, T, D]
+        decoded: list[int] = []
+        started = time.perf_counter()
+        try:
+            for step in range(max_len):
+                outputs = self._infer(inputs, past_keys, past_values)
+                logp = log_softmax(outputs["logits"][0, -1])  # logp: [V]
+                if step < min_len:
+                    logp[eos] = -np.inf
+                token = int(sampler(logp, decoded))
+                if token in stop_tokens:
+                    break
+                yield token
+                decoded.append(token)
+                inputs = self.speech_embedding[token][None, None]  # inputs: [1, 1, D]
+                past_keys, past_values = outputs["present_keys"], outputs["present_values"]
+        finally:
+            elapsed = time.perf_counter() - started
+            _LOGGER.debug(
+                "llm: %d tokens in %.3f s (%.1f tokens/s, prefill %d positions)",
+                len(decoded),
+                elapsed,
+                len(decoded) / elapsed if elapsed > 0 else 0.0,
+                lm_input.shape[1],
+            )
+
+    def teacher_forced(self, lm_input: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One full causal pass: (logits [1, L, V], final-norm hidden [1, L, D])."""
+        past_keys, past_values = self._empty_cache()
+        outputs = self._infer(np.asarray(lm_input, dtype=np.float32), past_keys, past_values)
+        return outputs["logits"], outputs["hidden"]
+
+    def cached_logp(self, prefix_embeds: np.ndarray, forced_tokens: np.ndarray) -> np.ndarray:
+        """Log-probs through the KV cache: row 0 after the prefill of ``prefix_embeds`` [1, L, D],
+        row j >= 1 after feeding ``forced_tokens[j-1]``. Returns [1 + len(forced_tokens), V]."""
+        forced = _as_ids(forced_tokens, "forced_tokens", self.config.speech_vocab_size)
+        past_keys, past_values = self._empty_cache()
+        inputs = np.asarray(prefix_embeds, dtype=np.float32)  # inputs: [1, L, D]
+        rows = []
+        for step in range(forced.size + 1):
+            outputs = self._infer(inputs, past_keys, past_values)
+            rows.append(log_softmax(outputs["logits"][0, -1]))  # [V]
+            if step < forced.size:
+                inputs = self.speech_embedding[forced[step]][None, None]  # inputs: [1, 1, D]
+                past_keys, past_values = outputs["present_keys"], outputs["present_values"]
+        return np.stack(rows)  # [1 + N, V]
+
+    def _infer(
+        self, inputs: np.ndarray, past_keys: np.ndarray, past_values: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        return self.runner.infer(
+            {"inputs_embeds": inputs, "past_keys": past_keys, "past_values": past_values}
+        )
+
+    def _empty_cache(self) -> tuple[np.ndarray, np.ndarray]:
+        qwen = self.config.qwen
+        shape = (qwen.num_layers, 1, qwen.num_kv_heads, 0, qwen.head_dim)  # [L, 1, H, 0, Dh]
+        return np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
+
+
+def _as_ids(ids: np.ndarray, name: str, limit: int) -> np.ndarray:
+    """Flatten to int64 ids and check ``0 <= id < limit``."""
+    array = np.asarray(ids)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise InputError(f"{name} must hold integer token ids, got dtype {array.dtype}.")
+    flat = array.reshape(-1).astype(np.int64)  # flat: [N]
+    if flat.size and (flat.min() < 0 or flat.max() >= limit):
+        raise InputError(
+            f"{name} has ids outside [0, {limit}) (min {flat.min()}, max {flat.max()}); "
+            "the ids must come from this model's tokenizer."
+        )
+    return flat

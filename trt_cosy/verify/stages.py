@@ -1,0 +1,172 @@
+"""Drive each stage on a golden file's inputs; return our outputs under the golden key names.
+
+Each stage is fed the golden inputs (and the recorded noise) so its error is its own; the
+streaming assembly (``run_streaming``) chains our own flow output into our vocoder, as a request
+does, and checks the chunk bookkeeping end to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..runtime import graphs
+from ..runtime.base import Runner
+from ..runtime.model import LoadedModel
+from ..stages.flow import FlowStage
+from ..stages.llm import LLMStage
+from ..stages.sampling import greedy_sample
+from ..stages.vocoder import VocoderCache, VocoderStage
+from .golden import GoldenSet
+
+__all__ = ["run_llm", "run_flow", "run_hift", "run_streaming"]
+
+_SCENARIOS = ("nonstream", "stream", "streampad")
+
+
+class _RecordingRunner:
+    """Wraps a runner and keeps the last-position logits of every call (greedy_logits)."""
+
+    def __init__(self, inner: Runner):
+        self.inner = inner
+        self.name = inner.name
+        self.last_logits: list[np.ndarray] = []
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.inner.input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self.inner.output_names
+
+    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.inner.infer(feed)
+        self.last_logits.append(outputs["logits"][0, -1].copy())  # [V]
+        return outputs
+
+
+def _ids(golden: GoldenSet, key: str) -> np.ndarray:
+    return golden[key].reshape(-1).astype(np.int64)
+
+
+def run_llm(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
+    if "llm_tf_lm_input" not in golden:
+        return {}
+    text, prompt_text = _ids(golden, "in_text"), _ids(golden, "in_prompt_text")
+    prompt_speech, target = _ids(golden, "in_prompt_speech_token"), _ids(golden, "in_target_speech_token")
+    prefix_len = 1 + prompt_text.size + text.size + 1 + prompt_speech.size
+    n_forced = golden["llm_tf_lm_input"].shape[1] - prefix_len
+    stage = LLMStage(model.runners[graphs.LLM.name], model.llm_tables, model.config.llm)
+    lm_input = stage.build_inputs(text, prompt_text, np.concatenate([prompt_speech, target[:n_forced]]))
+    logits, hidden = stage.teacher_forced(lm_input)  # [1, L, V], [1, L, D]
+    ours: dict[str, Any] = {"llm_tf_lm_input": lm_input, "llm_tf_hidden": hidden, "llm_tf_logits": logits}
+    ours["llm_tf_cached_logp"] = stage.cached_logp(lm_input[:, :prefix_len], target[:n_forced])
+    if "llm_greedy_tokens" in golden:
+        steps = golden["llm_greedy_tokens"].size
+        recorder = _RecordingRunner(model.runners[graphs.LLM.name])
+        greedy = LLMStage(recorder, model.llm_tables, model.config.llm)
+        tokens = list(greedy.generate(text, prompt_text, prompt_speech, greedy_sample, max_new_tokens=steps))
+        ours["llm_greedy_tokens"] = np.asarray(tokens, dtype=np.int32)
+        ours["llm_greedy_logits"] = np.stack(recorder.last_logits[:steps])  # [steps, V]
+    return ours
+
+
+def _flow_stage(model: LoadedModel, golden: GoldenSet) -> FlowStage:
+    noise = golden["flow_rand_noise"] if "flow_rand_noise" in golden else model.flow_noise
+    runners = model.runners
+    return FlowStage(
+        runners[graphs.FLOW_ENCODER.name],
+        runners[graphs.FLOW_ESTIMATOR.name],
+        runners[graphs.FLOW_ESTIMATOR_STREAM.name],
+        noise.astype(np.float32),
+        model.config.flow,
+    )
+
+
+def _scenario_prompt(golden: GoldenSet, scenario: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    n_prompt = int(scenario["prompt_tokens"])
+    tokens = golden["in_prompt_speech_token"][:, :n_prompt].astype(np.int64)  # [1, P]
+    feat = golden["in_prompt_feat"][:, : int(scenario["prompt_feat_frames"])]  # [1, 2P, 80]
+    return tokens, feat
+
+
+def _scenarios(golden: GoldenSet):
+    for name in _SCENARIOS:
+        scenario = golden.meta.get(name)
+        if isinstance(scenario, dict) and scenario.get("chunks") and f"{name}_c0_flow_tokens" in golden:
+            yield name, scenario
+
+
+def _flow_chunks(model: LoadedModel, golden: GoldenSet):
+    """Yield (prefix, chunk meta, FlowOutput) for every chunk of every scenario."""
+    stage = _flow_stage(model, golden)
+    embedding = golden["in_spk_embedding"]
+    for name, scenario in _scenarios(golden):
+        prompt_tokens, prompt_feat = _scenario_prompt(golden, scenario)
+        for index, chunk in enumerate(scenario["chunks"]):
+            prefix = f"{name}_c{index}_"
+            output = stage.token2mel(
+                golden[prefix + "flow_tokens"].astype(np.int64),
+                prompt_tokens,
+                prompt_feat,
+                embedding,
+                streaming=bool(chunk["flow_streaming"]),
+                finalize=bool(chunk["flow_finalize"]),
+            )
+            yield name, prefix, chunk, output
+
+
+def run_flow(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
+    ours: dict[str, Any] = {}
+    for _name, prefix, _chunk, output in _flow_chunks(model, golden):
+        ours[prefix + "flow_mu"] = output.mu.transpose(0, 2, 1)  # [1, T, 80] as the golden stores it
+        ours[prefix + "flow_mel"] = output.mel
+    return ours
+
+
+def _hift(model: LoadedModel, mel: np.ndarray, noise: np.ndarray, cache_source: np.ndarray) -> dict[str, np.ndarray]:
+    feed = {"mel": mel, "sine_noise": noise.astype(np.float32), "cache_source": cache_source.astype(np.float32)}
+    return model.runners[graphs.HIFT.name].infer(feed)
+
+
+def run_hift(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
+    ours: dict[str, Any] = {}
+    if "in_hift_synth_mel" in golden:
+        empty = np.zeros((1, 1, 0), dtype=np.float32)
+        out = _hift(model, golden["in_hift_synth_mel"], golden["hift_synth_sine_noise"], empty)
+        ours.update(hift_synth_wav=out["wav"], hift_synth_source=out["source"], hift_synth_f0=out["f0"])
+    for name, scenario in _scenarios(golden):
+        for index in range(len(scenario["chunks"])):
+            prefix = f"{name}_c{index}_"
+            out = _hift(
+                model, golden[prefix + "hift_mel"], golden[prefix + "hift_sine_noise"],
+                golden[prefix + "hift_cache_source"],
+            )
+            ours[prefix + "hift_wav"], ours[prefix + "hift_source"] = out["wav"], out["source"]
+            ours[prefix + "hift_f0"] = out["f0"]
+    return ours
+
+
+def run_streaming(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
+    """Our flow mel → our vocoder with the official cache and crossfade, chunk by chunk."""
+    ours: dict[str, Any] = {}
+    vocoder = VocoderStage(model.runners[graphs.HIFT.name], model.config.hift)
+    ratio = model.config.token_mel_ratio
+    caches: dict[str, VocoderCache] = {}
+    pieces: dict[str, list[np.ndarray]] = {}
+    for name, prefix, chunk, output in _flow_chunks(model, golden):
+        cache = caches.setdefault(name, VocoderCache())
+        mel = output.mel[:, :, ratio * int(chunk["token_offset"]) :]  # [1, 80, F]
+        ours[prefix + "hift_cache_source"] = cache.source_for_next()
+        result = vocoder.render_chunk(
+            mel, golden[prefix + "hift_sine_noise"].astype(np.float32), cache, final=bool(chunk["flow_finalize"])
+        )
+        ours[prefix + "hift_mel"] = result.mel
+        ours[prefix + "out_speech"] = result.samples[None]
+        pieces.setdefault(name, []).append(result.samples)
+    for name, chunks in pieces.items():
+        ours[f"{name}_wav"] = np.concatenate(chunks)[None]
+    return ours
