@@ -160,13 +160,14 @@ def run_streaming(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]
     for name, prefix, chunk, output in _flow_chunks(model, golden):
         cache = caches.setdefault(name, VocoderCache())
         mel = output.mel[:, :, ratio * int(chunk["token_offset"]) :]  # [1, 80, F]
-        ours[prefix + "hift_cache_source"] = cache.source_for_next()
-        result = vocoder.render_chunk(
+        empty_source = np.zeros((1, 1, 0), dtype=np.float32)
+        ours[prefix + "hift_cache_source"] = empty_source if cache.empty else cache.source
+        ours[prefix + "hift_mel"] = mel if cache.empty else np.concatenate([cache.mel, mel], axis=2)
+        samples = vocoder.render(
             mel, golden[prefix + "hift_sine_noise"].astype(np.float32), cache, final=bool(chunk["flow_finalize"])
-        )
-        ours[prefix + "hift_mel"] = result.mel
-        ours[prefix + "out_speech"] = result.samples[None]
-        pieces.setdefault(name, []).append(result.samples)
+        )  # samples: [1, N]
+        ours[prefix + "out_speech"] = samples
+        pieces.setdefault(name, []).append(samples)
     for name, chunks in pieces.items():
-        ours[f"{name}_wav"] = np.concatenate(chunks)[None]
+        ours[f"{name}_wav"] = np.concatenate(chunks, axis=1)
     return ours
