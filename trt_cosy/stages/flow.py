@@ -1,0 +1,233 @@
+"""Flow stage (numpy only): speech tokens -> mel through the encoder graph and the CFM estimator.
+
+Reproduces ``CausalMaskedDiffWithXvec.inference`` + ``CausalConditionalCFM`` of the official
+CosyVoice2 code (docs/cosyvoice-spec §4.1, §4.3): the encoder graph gives ``mu`` and ``spks``; the
+host runs the cosine-scheduled Euler solver with classifier-free guidance as a batch of 2,
+starting from the fixed noise prefix. The stage is stateless: every call recomputes from the
+start (the official streaming does the same), so one stage serves concurrent requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import FlowConfig
+from ..errors import InputError
+from ..runtime.base import Runner
+
+__all__ = ["FlowOutput", "FlowStage", "cosine_t_span", "solve_euler"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FlowOutput:
+    """One ``token2mel`` result."""
+
+    mel: np.ndarray
+    """Generated mel [1, 80, T - prompt frames], float32 (natural-log mel)."""
+    mu: np.ndarray
+    """Encoder output ``encoder_proj(h)`` [1, 80, T], prompt frames included."""
+
+
+def _torch_linspace01(steps: int) -> np.ndarray:
+    """``torch.linspace(0, 1, steps)`` in float32, with torch's two-sided CPU formula."""
+    step = np.float32(1.0) / np.float32(steps - 1)
+    index = np.arange(steps)
+    halfway = steps // 2
+    front = step * index.astype(np.float32)  # [steps]
+    back = np.float32(1.0) - step * (steps - 1 - index).astype(np.float32)  # [steps]
+    return np.where(index < halfway, front, back).astype(np.float32)
+
+
+def cosine_t_span(n_steps: int) -> np.ndarray:
+    """``1 - cos(linspace(0, 1, n+1) · π/2)`` in float32: the official cosine time grid [n+1]."""
+    t = _torch_linspace01(n_steps + 1)  # [n+1]
+    angle = t * np.float32(0.5) * np.float32(np.pi)  # [n+1], float32 products as in torch
+    # cos in float64 then rounded: matches torch's float32 cos where numpy's float32 cos is 1 ulp off.
+    return np.float32(1.0) - np.cos(angle.astype(np.float64)).astype(np.float32)
+
+
+def solve_euler(
+    estimator: Runner,
+    mu: np.ndarray,
+    mask: np.ndarray,
+    spks: np.ndarray,
+    cond: np.ndarray,
+    noise: np.ndarray,
+    n_steps: int,
+    cfg_rate: float,
+) -> np.ndarray:
+    """Fixed-step Euler ODE solve with classifier-free guidance, as ``ConditionalCFM.solve_euler``.
+
+    Args:
+        estimator: runner with the estimator contract (x, mask, mu, t, spks, cond -> estimator_out).
+        mu: encoder output [1, 80, T]. mask: [1, 1, T]. spks: [1, 80]. cond: [1, 80, T].
+        noise: start point [1, 80, T]. n_steps: Euler steps. cfg_rate: guidance rate (0.7).
+
+    Returns:
+        The mel [1, 80, T] (float32).
+    """
+    t_span = cosine_t_span(n_steps)  # [n+1]
+    frames = mu.shape[2]
+    x = np.asarray(noise, dtype=np.float32)  # x: [1, 80, T]
+    # Row 0 is conditional, row 1 unconditional (zeros for mu, spks and cond).
+    feed = {
+        "x": np.zeros((2, mu.shape[1], frames), np.float32),
+        "mask": np.repeat(np.asarray(mask, np.float32), 2, axis=0),  # [2, 1, T]
+        "mu": np.zeros((2, mu.shape[1], frames), np.float32),
+        "t": np.zeros((2,), np.float32),
+        "spks": np.zeros((2, spks.shape[1]), np.float32),
+        "cond": np.zeros((2, cond.shape[1], frames), np.float32),
+    }
+    feed["mu"][0] = mu[0]
+    feed["spks"][0] = spks[0]
+    feed["cond"][0] = cond[0]
+    guided, unguided = np.float32(1.0 + cfg_rate), np.float32(cfg_rate)
+    # t accumulates in float32 like the official loop, so it tracks t_span only up to rounding.
+    t = t_span[0]
+    dt = t_span[1] - t_span[0]
+    for step in range(1, n_steps + 1):
+        feed["x"][:] = x[0]
+        feed["t"][:] = t
+        velocity = _infer(estimator, feed)["estimator_out"]  # [2, 80, T]
+        velocity = guided * velocity[0:1] - unguided * velocity[1:2]  # [1, 80, T]
+        x = x + dt * velocity  # [1, 80, T]
+        t = t + dt
+        if step < n_steps:
+            dt = t_span[step + 1] - t
+    return x.astype(np.float32, copy=False)
+
+
+def _infer(runner: Runner, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return runner.infer({name: feed[name] for name in runner.input_names})
+
+
+class FlowStage:
+    """``token2mel`` over an encoder runner and the two estimator runners (full / chunked).
+
+    Args:
+        encoder_runner: ``FLOW_ENCODER`` contract.
+        estimator_runner: ``FLOW_ESTIMATOR`` contract (full attention).
+        estimator_stream_runner: ``FLOW_ESTIMATOR_STREAM`` contract (chunk attention).
+        noise: the fixed start noise [1, 80, F] (the official prefix of ``randn(1, 80, 15000)``).
+        config: the flow configuration of the release.
+    """
+
+    def __init__(
+        self,
+        encoder_runner: Runner,
+        estimator_runner: Runner,
+        estimator_stream_runner: Runner,
+        noise: np.ndarray,
+        config: FlowConfig,
+    ):
+        self.encoder_runner = encoder_runner
+        self.estimator_runner = estimator_runner
+        self.estimator_stream_runner = estimator_stream_runner
+        self.noise = noise
+        self.config = config
+
+    def _check(self, all_tokens: np.ndarray, prompt_feat: np.ndarray, finalize: bool) -> None:
+        lookahead = self.config.encoder.pre_lookahead_len
+        vocab = self.config.vocab_size
+        if all_tokens.size and int(all_tokens.max()) >= vocab:
+            raise InputError(
+                f"speech token {int(all_tokens.max())} is outside the flow vocabulary (0..{vocab - 1}); "
+                "drop the LLM's stop tokens before the flow."
+            )
+        usable = all_tokens.shape[1] - (0 if finalize else lookahead)
+        if usable < 1:
+            raise InputError(
+                f"{all_tokens.shape[1]} tokens are too few: a non-final chunk needs more than the "
+                f"{lookahead} look-ahead tokens. Pass more tokens or finalize=True."
+            )
+        frames = usable * self.config.token_mel_ratio
+        if frames > self.noise.shape[2]:
+            raise InputError(
+                f"{frames} mel frames exceed the {self.noise.shape[2]}-frame CFM noise "
+                f"({self.noise.shape[2] / 50:.0f} s at 50 frames/s); synthesise shorter text per call."
+            )
+        if (
+            prompt_feat.ndim != 3
+            or prompt_feat.shape[2] != self.config.output_size
+            or prompt_feat.shape[1] > frames
+        ):
+            raise InputError(
+                f"prompt_feat must be [1, frames <= {frames}, {self.config.output_size}], got "
+                f"{tuple(prompt_feat.shape)}; pass the prompt mel as [B, T, 80] (2 frames per prompt token)."
+            )
+
+    def _encode(
+        self, all_tokens: np.ndarray, embedding: np.ndarray, streaming: bool, finalize: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        lookahead = self.config.encoder.pre_lookahead_len
+        if finalize:
+            main, context = all_tokens, np.zeros((1, lookahead), np.int64)
+        else:
+            main, context = all_tokens[:, :-lookahead], all_tokens[:, -lookahead:]
+        feed = {
+            "tokens": np.ascontiguousarray(main),  # [1, N]
+            "context": np.ascontiguousarray(context),  # [1, L]
+            "context_valid": np.array([0.0 if finalize else 1.0], np.float32),
+            "streaming": np.array([1.0 if streaming else 0.0], np.float32),
+            "embedding": np.asarray(embedding, np.float32),  # [1, 192]
+        }
+        out = _infer(self.encoder_runner, feed)
+        return out["mu"], out["spks"]  # [1, 80, T], [1, 80]
+
+    def token2mel(
+        self,
+        tokens: np.ndarray,
+        prompt_tokens: np.ndarray,
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        streaming: bool,
+        finalize: bool,
+    ) -> FlowOutput:
+        """Run the flow on ``prompt_tokens ++ tokens`` (official ``flow.inference``, batch 1).
+
+        Args:
+            tokens: new speech tokens [1, n]; without ``finalize`` the last 3 are look-ahead only.
+            prompt_tokens: prompt speech tokens [1, P] (may be empty).
+            prompt_feat: prompt mel [1, 2P, 80] (frontend layout).
+            embedding: speaker embedding [1, 192].
+            streaming: chunk attention (25 tokens / 50 frames) instead of full attention.
+            finalize: the last chunk: no look-ahead tokens are held back.
+
+        Returns:
+            ``FlowOutput(mel [1, 80, T - 2P], mu [1, 80, T])``.
+        """
+        all_tokens = np.concatenate([prompt_tokens, tokens], axis=1).astype(np.int64)  # [1, P+n]
+        prompt_feat = np.asarray(prompt_feat, np.float32)
+        self._check(all_tokens, prompt_feat, finalize)
+        mu, spks = self._encode(all_tokens, embedding, streaming, finalize)  # mu: [1, 80, T]
+        frames = mu.shape[2]
+        prompt_frames = prompt_feat.shape[1]
+        cond = np.zeros_like(mu)  # [1, 80, T]
+        cond[0, :, :prompt_frames] = prompt_feat[0].T
+        mask = np.ones((1, 1, frames), np.float32)  # [1, 1, T]
+        estimator = self.estimator_stream_runner if streaming else self.estimator_runner
+        cfm = self.config.cfm
+        mel = solve_euler(
+            estimator,
+            mu,
+            mask,
+            spks,
+            cond,
+            self.noise[:, :, :frames],
+            cfm.n_timesteps,
+            cfm.inference_cfg_rate,
+        )  # [1, 80, T]
+        _LOGGER.debug(
+            "flow: %d tokens -> %d frames (streaming=%s, finalize=%s)",
+            all_tokens.shape[1],
+            frames,
+            streaming,
+            finalize,
+        )
+        return FlowOutput(mel=mel[:, :, prompt_frames:], mu=mu)
