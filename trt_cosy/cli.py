@@ -38,6 +38,26 @@ def main(verbose: int) -> None:
 
 @main.command()
 @click.option("--model-dir", required=True, type=click.Path(path_type=Path), help="Official release directory.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Engines directory to write (e.g. engines/cosyvoice2/onnxruntime-fp32).")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True)
+@click.option("--force", is_flag=True, help="Rebuild even when the manifest says nothing changed.")
+def build(model_dir: Path, out_dir: Path, backend: str, precision: str, force: bool) -> None:
+    """Export the official checkpoint to ONNX per stage and build engines for a backend."""
+    from .errors import require
+
+    require("torch", "build")
+    require("onnx", "build")
+    from .build.engines import build_engines
+
+    path = build_engines(model_dir, out_dir, backend=backend, precision=precision, force=force,
+                         progress=lambda message: click.echo(message, err=True))
+    click.echo(f"engines ready in {path}")
+
+
+@main.command()
+@click.option("--model-dir", required=True, type=click.Path(path_type=Path), help="Official release directory.")
 @click.option("--golden", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A golden reference.npz made by the official code.")
 @click.option("--backend", type=click.Choice(_BACKENDS), default="torch", show_default=True)

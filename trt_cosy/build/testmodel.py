@@ -65,6 +65,7 @@ def make_test_model(out: Path, size: str = "tiny", seed: int = 0, overwrite: boo
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".make-test-model-", dir=out.parent))
     try:
+        staging.chmod(0o755)  # mkdtemp makes it private; a model directory is not
         _write_release(staging, size, seed)
         if out.exists():
             shutil.rmtree(out)

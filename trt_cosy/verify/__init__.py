@@ -29,7 +29,11 @@ def load_backend(backend: str, model_dir: Path, engines: Path | None, threads: i
         return load_torch_model(model_dir, threads=threads)
     if engines is None:
         raise InputError(f"--backend {backend} needs --engines DIR (built with `trt-cosy build`).")
-    raise InputError(f"the {backend} backend is not available in this version; use --backend torch.")
+    if backend == "onnxruntime":
+        from ..runtime.engines import load_engines
+
+        return load_engines(engines, threads=threads, model_dir=model_dir)
+    raise InputError(f"the {backend} backend is not available in this version; use onnxruntime or torch.")
 
 
 def run_verify(model: LoadedModel, golden: GoldenSet) -> list[Comparison]:
