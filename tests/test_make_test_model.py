@@ -1,0 +1,89 @@
+"""`trt-cosy make-test-model`: random weights in exactly the official release layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from trt_cosy.cli import main
+from trt_cosy.config import ModelConfig
+from trt_cosy.errors import InputError
+
+torch = pytest.importorskip("torch", reason="make-test-model needs the [build] extra")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("release") / "tiny"
+    result = CliRunner().invoke(main, ["make-test-model", "--out", str(out), "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _state(path: Path) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in torch.load(path, weights_only=True).items()}
+
+
+@pytest.mark.parametrize("name", ["llm.pt", "flow.pt", "hift.pt"])
+def test_same_keys_and_shapes_as_the_official_tiny_checkpoint(tiny_model: Path, v2_tiny_dir: Path, name: str) -> None:
+    ours, official = _state(tiny_model / name), _state(v2_tiny_dir / name)
+    assert ours == official
+
+
+def test_layout_and_config(tiny_model: Path, v2_tiny_dir: Path) -> None:
+    for name in ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
+                 "CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
+                 "CosyVoice-BlankEN/tokenizer_config.json"):
+        assert (tiny_model / name).is_file(), name
+    assert ModelConfig.from_release_dir(tiny_model) == ModelConfig.from_release_dir(v2_tiny_dir)
+    llm = torch.load(tiny_model / "llm.pt", weights_only=True)
+    assert llm["llm.model.lm_head.weight"].data_ptr() == llm["llm.model.model.embed_tokens.weight"].data_ptr()
+
+
+def test_loads_strictly_and_speaks_voiced_noise(tiny_model: Path) -> None:
+    from trt_cosy.build.reference import load_torch_model
+
+    model = load_torch_model(tiny_model)
+    mel = np.random.default_rng(0).normal(-4.0, 2.0, size=(1, 80, 20)).astype(np.float32)
+    noise = np.random.default_rng(1).standard_normal((1, 20 * 480, 9)).astype(np.float32)
+    out = model.runners["hift"].infer({"mel": mel, "sine_noise": noise, "cache_source": np.zeros((1, 1, 0), np.float32)})
+    assert np.all(out["f0"] > 10.0), "calibrated f0 should be voiced"
+    assert np.isfinite(out["wav"]).all() and np.abs(out["wav"]).max() > 1e-3
+
+
+def test_standins_run_with_official_names(tiny_model: Path) -> None:
+    from trt_cosy.runtime.ort import OrtRunner
+
+    campplus = OrtRunner.from_path(tiny_model / "campplus.onnx", "campplus")
+    tokenizer = OrtRunner.from_path(tiny_model / "speech_tokenizer_v2.onnx", "speech_tokenizer")
+    assert campplus.input_names == ("input",) and campplus.output_names == ("output",)
+    assert tokenizer.input_names == ("feats", "feats_length") and tokenizer.output_names == ("indices",)
+    emb = campplus.infer({"input": np.zeros((1, 30, 80), np.float32)})["output"]
+    assert emb.shape == (1, 192)
+    tokens = tokenizer.infer({"feats": np.random.default_rng(0).standard_normal((1, 128, 400)).astype(np.float32),
+                              "feats_length": np.array([400], np.int32)})["indices"]
+    assert tokens.shape == (1, 100) and tokens.min() >= 0 and tokens.max() < 6561
+
+
+def test_tokenizer_has_the_cosyvoice_specials(tiny_model: Path) -> None:
+    from trt_cosy.frontend.tokenizer import QwenTextTokenizer
+
+    tokenizer = QwenTextTokenizer.from_dir(tiny_model / "CosyVoice-BlankEN")
+    ids = tokenizer.encode("Hello<|endofprompt|>你好")
+    assert tokenizer.token_to_id("<|endofprompt|>") in ids
+    assert max(ids) < 2048
+
+
+def test_same_seed_same_bytes_and_refuses_to_clobber(tmp_path: Path, tiny_model: Path) -> None:
+    from trt_cosy.build.testmodel import make_test_model
+
+    again = make_test_model(tmp_path / "again", seed=3)
+    for name in ("cosyvoice2.yaml", "CosyVoice-BlankEN/vocab.json", "campplus.onnx"):
+        assert (again / name).read_bytes() == (tiny_model / name).read_bytes(), name
+    a, b = torch.load(again / "flow.pt", weights_only=True), torch.load(tiny_model / "flow.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(InputError, match="not empty"):
+        make_test_model(again, seed=3)
