@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import InputError, require
 from ..runtime.model import LoadedModel
 from .golden import Comparison, GoldenSet, compare
-from .stages import run_flow, run_hift, run_llm, run_streaming
+from .stages import run_flow, run_hift, run_llm
 
 __all__ = ["load_backend", "run_verify", "format_table"]
 
@@ -40,7 +40,7 @@ def run_verify(model: LoadedModel, golden: GoldenSet) -> list[Comparison]:
     """Run each stage on the golden inputs (noise injected) and compare every output key."""
     ours: dict[str, object] = {}
     skipped = dict(_SKIPPED)
-    for runner in (run_llm, run_flow, run_hift, run_streaming):
+    for runner in (run_llm, run_flow, run_hift):
         ours.update(runner(model, golden, skipped))
     rows = []
     for key in golden.compared_keys():

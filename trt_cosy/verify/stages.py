@@ -1,8 +1,8 @@
 """Drive each stage on a golden file's inputs; return our outputs under the golden key names.
 
 Each stage is fed the golden inputs (and the recorded noise) so its error is its own; the
-streaming assembly (``run_streaming``) chains our own flow output into our vocoder, as a request
-does, and checks the chunk bookkeeping end to end.
+streaming assembly chains our own flow output into our vocoder, as a request
+does (``run_flow``), and checks the chunk bookkeeping end to end.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..stages.sampling import greedy_sample
 from ..stages.vocoder import VocoderCache, VocoderStage
 from .golden import GoldenSet
 
-__all__ = ["run_llm", "run_flow", "run_hift", "run_streaming"]
+__all__ = ["run_llm", "run_flow", "run_hift"]
 
 _SCENARIOS = ("nonstream", "stream", "streampad")
 
@@ -120,10 +120,27 @@ def _flow_chunks(model: LoadedModel, golden: GoldenSet):
 
 
 def run_flow(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
+    """Flow per chunk from the golden tokens, then our mel through our streaming vocoder."""
     ours: dict[str, Any] = {}
-    for _name, prefix, _chunk, output in _flow_chunks(model, golden):
+    vocoder = VocoderStage(model.runners[graphs.HIFT.name], model.config.hift)
+    ratio = model.config.token_mel_ratio
+    caches: dict[str, VocoderCache] = {}
+    pieces: dict[str, list[np.ndarray]] = {}
+    for name, prefix, chunk, output in _flow_chunks(model, golden):
         ours[prefix + "flow_mu"] = output.mu.transpose(0, 2, 1)  # [1, T, 80] as the golden stores it
         ours[prefix + "flow_mel"] = output.mel
+        cache = caches.setdefault(name, VocoderCache())
+        mel = output.mel[:, :, ratio * int(chunk["token_offset"]) :]  # [1, 80, F]
+        empty_source = np.zeros((1, 1, 0), dtype=np.float32)
+        ours[prefix + "hift_cache_source"] = empty_source if cache.empty else cache.source
+        ours[prefix + "hift_mel"] = mel if cache.empty else np.concatenate([cache.mel, mel], axis=2)
+        samples = vocoder.render(
+            mel, golden[prefix + "hift_sine_noise"].astype(np.float32), cache, final=bool(chunk["flow_finalize"])
+        )  # samples: [1, N]
+        ours[prefix + "out_speech"] = samples
+        pieces.setdefault(name, []).append(samples)
+    for name, chunks in pieces.items():
+        ours[f"{name}_wav"] = np.concatenate(chunks, axis=1)
     return ours
 
 
@@ -147,27 +164,4 @@ def run_hift(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> 
             )
             ours[prefix + "hift_wav"], ours[prefix + "hift_source"] = out["wav"], out["source"]
             ours[prefix + "hift_f0"] = out["f0"]
-    return ours
-
-
-def run_streaming(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
-    """Our flow mel → our vocoder with the official cache and crossfade, chunk by chunk."""
-    ours: dict[str, Any] = {}
-    vocoder = VocoderStage(model.runners[graphs.HIFT.name], model.config.hift)
-    ratio = model.config.token_mel_ratio
-    caches: dict[str, VocoderCache] = {}
-    pieces: dict[str, list[np.ndarray]] = {}
-    for name, prefix, chunk, output in _flow_chunks(model, golden):
-        cache = caches.setdefault(name, VocoderCache())
-        mel = output.mel[:, :, ratio * int(chunk["token_offset"]) :]  # [1, 80, F]
-        empty_source = np.zeros((1, 1, 0), dtype=np.float32)
-        ours[prefix + "hift_cache_source"] = empty_source if cache.empty else cache.source
-        ours[prefix + "hift_mel"] = mel if cache.empty else np.concatenate([cache.mel, mel], axis=2)
-        samples = vocoder.render(
-            mel, golden[prefix + "hift_sine_noise"].astype(np.float32), cache, final=bool(chunk["flow_finalize"])
-        )  # samples: [1, N]
-        ours[prefix + "out_speech"] = samples
-        pieces.setdefault(name, []).append(samples)
-    for name, chunks in pieces.items():
-        ours[f"{name}_wav"] = np.concatenate(chunks, axis=1)
     return ours
