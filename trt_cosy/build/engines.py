@@ -1,0 +1,241 @@
+"""``trt-cosy build``: an official release directory in, an engines directory out.
+
+Layout of the engines directory (``backend="onnxruntime"``, ``precision="fp32"``)::
+
+    manifest.json                 what was built, from which checkpoint (runtime/manifest.py)
+    model_config.json             ModelConfig.to_dict()
+    llm.onnx  flow_encoder.onnx  flow_estimator.onnx  flow_estimator_stream.onnx  hift.onnx
+    <graph>.onnx.data             external weights, only for graphs over 1 GiB (the full-size LLM)
+    text_embedding.npy  speech_embedding.npy  llm_embedding.npy   host-side LLM lookup tables
+    flow_noise.npy                the official fixed CFM start noise [1, 80, 15000]
+    tokenizer/                    vocab.json, merges.txt, tokenizer_config.json, tokenizer.json
+    campplus.onnx  speech_tokenizer_v2.onnx                        the release's frontend models
+
+Everything is written to a staging directory next to ``out_dir`` and renamed into place at the
+end, so an interrupted build never leaves a half-written engines directory behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+from .. import __version__
+from ..config import QWEN_DIR, ModelConfig
+from ..errors import EngineMismatchError, InputError, TrtCosyError
+from ..runtime.engines import FLOW_NOISE_NAME, MODEL_CONFIG_NAME, TABLE_NAMES, TOKENIZER_DIR
+from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord, hash_checkpoint
+from .export import OPSET, ExportResult, export_model, onnx_io_specs
+from .reference import load_torch_model
+
+__all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
+
+_LOGGER = logging.getLogger(__name__)
+
+BACKENDS: Final = ("onnxruntime",)
+PRECISIONS: Final = ("fp32",)
+_TOKENIZER_FILES: Final = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
+_REQUIRED_TOKENIZER_FILES: Final = ("vocab.json", "merges.txt")
+_FRONTEND_FILES: Final = ("campplus.onnx", "speech_tokenizer_v2.onnx")
+_DIR_MODE: Final = 0o755
+
+Progress = Callable[[str], None]
+
+
+def build_engines(
+    model_dir: Path,
+    out_dir: Path,
+    backend: str = "onnxruntime",
+    precision: str = "fp32",
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Export an official CosyVoice2 release to an engines directory and return its path.
+
+    Each graph is exported to ONNX with the dynamo exporter, checked with ``onnx.checker`` and
+    compared with torch on ONNX Runtime. The build is skipped when ``out_dir/manifest.json`` already
+    matches this checkpoint (sha256 of the yaml, the three ``.pt`` files and the Qwen2 config),
+    this trt-cosy version, ``backend`` and ``precision``, and every file is present; ``force``
+    rebuilds anyway. ``progress`` receives one line per step (the CLI prints them).
+
+    Args:
+        model_dir: the release directory (``cosyvoice2.yaml``, ``llm.pt``, ``flow.pt``, ``hift.pt``,
+            ``CosyVoice-BlankEN/``, optionally ``campplus.onnx`` and ``speech_tokenizer_v2.onnx``).
+        out_dir: the engines directory to create or replace.
+        backend: only ``"onnxruntime"`` in this version.
+        precision: only ``"fp32"`` in this version.
+        force: rebuild even when the manifest says the engines are current.
+        progress: optional callback for progress lines.
+    """
+    _check_options(backend, precision)
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    emit = _emitter(progress)
+    start = time.perf_counter()
+    hashes = hash_checkpoint(model_dir)
+    if not force and _is_current(out_dir, hashes, backend, precision):
+        emit(
+            f"engines in {out_dir} are up to date with {model_dir}; nothing to build (use --force to rebuild)"
+        )
+        return out_dir
+    _check_replaceable(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    staging.chmod(_DIR_MODE)  # mkdtemp makes it private (0700); the engines are ordinary files
+    try:
+        _write_engines(model_dir, staging, hashes, backend, precision, emit)
+        _swap_into_place(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    emit(f"built {backend}/{precision} engines in {out_dir} in {time.perf_counter() - start:.1f} s")
+    return out_dir
+
+
+def _check_options(backend: str, precision: str) -> None:
+    if backend not in BACKENDS:
+        raise InputError(
+            f"backend {backend!r} cannot be built by this version; available: {', '.join(BACKENDS)}."
+        )
+    if precision not in PRECISIONS:
+        raise InputError(
+            f"precision {precision!r} is not available for the {backend} backend; available: "
+            f"{', '.join(PRECISIONS)}."
+        )
+
+
+def _emitter(progress: Progress | None) -> Progress:
+    def emit(message: str) -> None:
+        _LOGGER.info("%s", message)
+        if progress is not None:
+            progress(message)
+
+    return emit
+
+
+def _is_current(out_dir: Path, hashes: dict[str, str], backend: str, precision: str) -> bool:
+    if not (out_dir / MANIFEST_NAME).is_file():
+        return False
+    try:
+        manifest = Manifest.read(out_dir)
+        manifest.check(out_dir, backend=backend, precision=precision, checkpoint_hashes=hashes)
+    except EngineMismatchError as exc:
+        _LOGGER.info("rebuilding: %s", exc)
+        return False
+    return True
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Refuse to replace a directory that holds files but is not an engines directory."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"{out_dir} exists and is not a directory; choose another --out.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file():
+        raise InputError(
+            f"{out_dir} is not empty and is not an engines directory (no {MANIFEST_NAME}); choose another "
+            "--out or empty it."
+        )
+
+
+def _write_engines(
+    model_dir: Path, staging: Path, hashes: dict[str, str], backend: str, precision: str, emit: Progress
+) -> None:
+    emit(f"loading the checkpoint in {model_dir}")
+    model = load_torch_model(model_dir)
+    results = export_model(model, staging, progress=emit)
+    for name in TABLE_NAMES:
+        np.save(staging / f"{name}.npy", np.ascontiguousarray(model.llm_tables[name], dtype=np.float32))
+    np.save(staging / FLOW_NOISE_NAME, np.ascontiguousarray(model.flow_noise, dtype=np.float32))
+    _write_model_config(model.config, staging / MODEL_CONFIG_NAME)
+    _copy_tokenizer(model_dir / QWEN_DIR, staging / TOKENIZER_DIR)
+    _link_frontend_models(model_dir, staging)
+    manifest = Manifest(
+        trt_cosy_version=__version__,
+        backend=backend,
+        precision=precision,
+        opset=OPSET,
+        checkpoint=hashes,
+        graphs={name: _graph_record(result, staging) for name, result in results.items()},
+        files=_file_sizes(staging),
+    )
+    manifest.write(staging)
+
+
+def _write_model_config(config: ModelConfig, path: Path) -> None:
+    path.write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+def _copy_tokenizer(source: Path, target: Path) -> None:
+    present = [name for name in _TOKENIZER_FILES if (source / name).is_file()]
+    if present:
+        target.mkdir()
+    for name in present:
+        shutil.copy2(source / name, target / name)
+    missing = [name for name in _REQUIRED_TOKENIZER_FILES if name not in present]
+    if missing:
+        _LOGGER.warning(
+            "%s has no %s: the engines carry no text tokenizer; synthesis will need the release's %s/",
+            source,
+            " or ".join(missing),
+            QWEN_DIR,
+        )
+
+
+def _link_frontend_models(model_dir: Path, staging: Path) -> None:
+    for name in _FRONTEND_FILES:
+        source = model_dir / name
+        if not source.is_file():
+            _LOGGER.warning(
+                "%s has no %s; voice prompts will need it from the release later", model_dir, name
+            )
+            continue
+        try:
+            os.link(source, staging / name)  # no copy of the frontend models when on the same file system
+        except OSError:
+            shutil.copy2(source, staging / name)
+
+
+def _graph_record(result: ExportResult, root: Path) -> GraphRecord:
+    inputs, outputs = onnx_io_specs(result.path)
+
+    def record(item: dict) -> TensorRecord:
+        return TensorRecord(item["name"], item["dtype"], tuple(item["shape"]))
+
+    return GraphRecord(
+        file=result.path.relative_to(root).as_posix(),
+        inputs=tuple(record(item) for item in inputs),
+        outputs=tuple(record(item) for item in outputs),
+        max_errors=dict(result.max_errors),
+    )
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {
+        path.relative_to(root).as_posix(): path.stat().st_size
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_NAME
+    }
+
+
+def _swap_into_place(staging: Path, out_dir: Path) -> None:
+    """Rename ``staging`` to ``out_dir``; an old ``out_dir`` is moved aside first and removed after."""
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old.rmdir()  # only the unique name is wanted: rename needs the target to be absent or empty
+    out_dir.rename(old)
+    try:
+        staging.rename(out_dir)
+    except OSError as exc:
+        old.rename(out_dir)
+        raise TrtCosyError(
+            f"could not move the new engines into {out_dir} ({exc}); the old ones are kept."
+        ) from exc
+    shutil.rmtree(old, ignore_errors=True)

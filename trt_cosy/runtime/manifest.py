@@ -1,0 +1,255 @@
+"""``manifest.json`` of an engines directory: what was built, from which checkpoint, and how to check it.
+
+numpy/json only (no torch, no onnx): the runtime reads and checks it before loading any graph.
+``Manifest.check`` turns every way engines can be stale (missing or resized files, another
+trt-cosy version, backend or precision, a changed checkpoint) into ``EngineMismatchError`` whose
+message gives the ``trt-cosy build`` command that fixes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Final
+
+from .. import __version__
+from ..config import QWEN_DIR, ModelConfig
+from ..errors import EngineMismatchError, ModelDirError
+
+__all__ = [
+    "MANIFEST_NAME",
+    "CHECKPOINT_FILES",
+    "TensorRecord",
+    "GraphRecord",
+    "Manifest",
+    "file_sha256",
+    "hash_checkpoint",
+    "model_config_from_dict",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+MANIFEST_NAME: Final = "manifest.json"
+_FORMAT: Final = 1
+# The release files whose content decides what the engines compute.
+CHECKPOINT_FILES: Final = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", f"{QWEN_DIR}/config.json")
+_HASH_BLOCK: Final = 1 << 20
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One graph input or output as exported: symbolic dims are strings (``"T"``, ``"P + T"``)."""
+
+    name: str
+    dtype: str
+    shape: tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """One exported graph: its file, its I/O and the ORT-vs-torch error measured at export."""
+
+    file: str
+    inputs: tuple[TensorRecord, ...]
+    outputs: tuple[TensorRecord, ...]
+    max_errors: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The record of one ``trt-cosy build``; ``files`` maps each path (relative) to its size in bytes."""
+
+    trt_cosy_version: str
+    backend: str
+    precision: str
+    opset: int
+    checkpoint: dict[str, str]  # release-relative path -> sha256
+    graphs: dict[str, GraphRecord]
+    files: dict[str, int]
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    format: int = _FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Manifest:
+        graphs = {
+            name: GraphRecord(
+                file=str(graph["file"]),
+                inputs=tuple(_tensor(t) for t in graph["inputs"]),
+                outputs=tuple(_tensor(t) for t in graph["outputs"]),
+                max_errors={k: float(v) for k, v in graph.get("max_errors", {}).items()},
+            )
+            for name, graph in raw["graphs"].items()
+        }
+        return cls(
+            trt_cosy_version=str(raw["trt_cosy_version"]),
+            backend=str(raw["backend"]),
+            precision=str(raw["precision"]),
+            opset=int(raw["opset"]),
+            checkpoint={str(k): str(v) for k, v in raw["checkpoint"].items()},
+            graphs=graphs,
+            files={str(k): int(v) for k, v in raw["files"].items()},
+            created=str(raw["created"]),
+            format=int(raw.get("format", _FORMAT)),
+        )
+
+    def write(self, engines_dir: Path) -> Path:
+        path = Path(engines_dir) / MANIFEST_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def read(cls, engines_dir: Path) -> Manifest:
+        """Read ``engines_dir/manifest.json``; missing or malformed raises ``EngineMismatchError``."""
+        engines_dir = Path(engines_dir)
+        path = engines_dir / MANIFEST_NAME
+        if not path.is_file():
+            what = "does not exist" if not engines_dir.is_dir() else f"has no {MANIFEST_NAME}"
+            raise EngineMismatchError(f"engines directory {engines_dir} {what}. {_remedy(engines_dir)}")
+        try:
+            return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise EngineMismatchError(
+                f"{path} is unreadable or malformed ({exc!r}). {_remedy(engines_dir)}"
+            ) from exc
+
+    def check(
+        self,
+        engines_dir: Path,
+        model_dir: Path | None = None,
+        *,
+        backend: str | None = None,
+        precision: str | None = None,
+        checkpoint_hashes: Mapping[str, str] | None = None,
+    ) -> None:
+        """Raise ``EngineMismatchError`` unless these engines are complete and current.
+
+        Checks the trt-cosy version, ``backend``/``precision`` (when given), that every listed file
+        exists with its recorded size, and — when ``model_dir`` (hashed here) or precomputed
+        ``checkpoint_hashes`` are given — that the checkpoint is the one the engines were built from.
+        """
+        engines_dir = Path(engines_dir)
+        remedy = _remedy(engines_dir, model_dir)
+        if self.format != _FORMAT or self.trt_cosy_version != __version__:
+            raise EngineMismatchError(
+                f"engines in {engines_dir} were built by trt-cosy {self.trt_cosy_version} (manifest format "
+                f"{self.format}); this is trt-cosy {__version__}. {remedy}"
+            )
+        for label, wanted, found in (
+            ("backend", backend, self.backend),
+            ("precision", precision, self.precision),
+        ):
+            if wanted is not None and wanted != found:
+                raise EngineMismatchError(
+                    f"engines in {engines_dir} were built for {label} '{found}', not '{wanted}'. {remedy}"
+                )
+        self._check_files(engines_dir, remedy)
+        if checkpoint_hashes is None and model_dir is not None:
+            checkpoint_hashes = hash_checkpoint(model_dir)
+        if checkpoint_hashes is not None:
+            changed = sorted(
+                k
+                for k in {*self.checkpoint, *checkpoint_hashes}
+                if self.checkpoint.get(k) != checkpoint_hashes.get(k)
+            )
+            if changed:
+                raise EngineMismatchError(
+                    f"engines in {engines_dir} were built from another checkpoint: {', '.join(changed)} "
+                    f"changed. {remedy}"
+                )
+
+    def _check_files(self, engines_dir: Path, remedy: str) -> None:
+        for name, size in self.files.items():
+            path = engines_dir / name
+            if not path.is_file():
+                raise EngineMismatchError(f"engines in {engines_dir} lack {name}. {remedy}")
+            if path.stat().st_size != size:
+                raise EngineMismatchError(
+                    f"{path} has {path.stat().st_size} bytes, the manifest records {size} (a partial copy?). "
+                    f"{remedy}"
+                )
+        missing = [graph.file for graph in self.graphs.values() if graph.file not in self.files]
+        if missing:
+            raise EngineMismatchError(f"{engines_dir}/{MANIFEST_NAME} lists no size for {missing}. {remedy}")
+
+
+def _tensor(raw: Mapping[str, Any]) -> TensorRecord:
+    shape = tuple(dim if isinstance(dim, str) else int(dim) for dim in raw["shape"])
+    return TensorRecord(name=str(raw["name"]), dtype=str(raw["dtype"]), shape=shape)
+
+
+def _remedy(engines_dir: Path, model_dir: Path | None = None) -> str:
+    model = model_dir if model_dir is not None else "DIR"
+    return f"Rebuild them: run `trt-cosy build --model-dir {model} --out {engines_dir}`."
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB blocks (the LLM checkpoint is ~2 GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(_HASH_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_checkpoint(model_dir: Path) -> dict[str, str]:
+    """sha256 of each of ``CHECKPOINT_FILES`` in ``model_dir``; a missing one raises ``ModelDirError``."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelDirError(
+            f"model directory {model_dir} does not exist; pass an official CosyVoice2 release."
+        )
+    missing = [name for name in CHECKPOINT_FILES if not (model_dir / name).is_file()]
+    if missing:
+        raise ModelDirError(
+            f"{model_dir} lacks {', '.join(missing)}; pass an official CosyVoice2 release directory "
+            f"({', '.join(CHECKPOINT_FILES)})."
+        )
+    return {name: file_sha256(model_dir / name) for name in CHECKPOINT_FILES}
+
+
+def model_config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
+    """Rebuild a ``ModelConfig`` from ``ModelConfig.to_dict()`` (after a JSON round trip).
+
+    Nested dataclasses are rebuilt from their field types; lists become tuples where the field is a
+    tuple. Missing fields take their defaults; unknown keys raise ``EngineMismatchError``.
+    """
+    try:
+        return _from_dict(ModelConfig, raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineMismatchError(
+            f"model_config.json does not describe a model this trt-cosy knows ({exc!r}). Rebuild the engines "
+            "with `trt-cosy build`."
+        ) from exc
+
+
+def _from_dict(cls: type, raw: Mapping[str, Any]) -> Any:
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"{cls.__name__} needs an object, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = set(raw) - names
+    if unknown:
+        raise KeyError(f"unknown {cls.__name__} fields {sorted(unknown)}")
+    return cls(**{name: _convert(hints[name], value) for name, value in raw.items()})
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _from_dict(hint, value)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], item) for item in value)
+        return tuple(_convert(arg, item) for arg, item in zip(args, value, strict=True))
+    return value
