@@ -92,5 +92,176 @@ def make_test_model(out: Path, size: str, seed: int, overwrite: bool) -> None:
     click.echo(f"wrote {size} random-weight test model to {path} (not a real voice: audio is noise-like)")
 
 
+_SOURCES = ("huggingface", "modelscope")
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _check_one_of(**options: object) -> None:
+    given = [name for name, value in options.items() if value is not None]
+    if len(given) > 1:
+        raise click.UsageError(f"pass only one of {', '.join('--' + name for name in options)}.")
+
+
+def _engines_dir(engines: Path | None, model_dir: Path | None, source: str) -> Path:
+    """--engines as given; --model-dir built into the cache when needed; neither: the default model."""
+    from .download import DEFAULT_MODEL, download_model, prepare_engines
+
+    _check_one_of(engines=engines, **{"model-dir": model_dir})
+    if engines is not None:
+        return engines
+    if model_dir is None:
+        _progress(f"no --engines or --model-dir: using {DEFAULT_MODEL} (downloaded and built on first use)")
+        model_dir = download_model(DEFAULT_MODEL, source)
+    return prepare_engines(model_dir, progress=_progress)
+
+
+def _load_tts(engines: Path | None, model_dir: Path | None, source: str, threads: int | None):
+    from .synthesis import EngineConfig
+    from .tts import CosyVoice
+
+    return CosyVoice.load(_engines_dir(engines, model_dir, source), config=EngineConfig(threads=threads))
+
+
+def _engine_options(command):
+    """--engines / --model-dir / --source / --threads, shared by `say` and `voices save`."""
+    options = (
+        click.option(
+            "--engines",
+            type=click.Path(file_okay=False, path_type=Path),
+            default=None,
+            help="Engines directory from `trt-cosy build`.",
+        ),
+        click.option(
+            "--model-dir",
+            type=click.Path(exists=True, file_okay=False, path_type=Path),
+            default=None,
+            help="Official release directory; engines are built into the cache when needed.",
+        ),
+        click.option(
+            "--source",
+            type=click.Choice(_SOURCES),
+            default="huggingface",
+            show_default=True,
+            help="Where the default model is downloaded from (neither --engines nor --model-dir).",
+        ),
+        click.option(
+            "--threads", type=int, default=None, help="CPU threads per graph (default: physical cores)."
+        ),
+    )
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@main.command()
+@click.argument("text")
+@_engine_options
+@click.option(
+    "--ref",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Reference recording of the voice (1-30 s).",
+)
+@click.option("--ref-text", default=None, help="Transcript of --ref (zero-shot); without it: cross-lingual.")
+@click.option(
+    "--voice",
+    "voice_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A voice file from `trt-cosy voices save` (instead of --ref).",
+)
+@click.option(
+    "-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output wav."
+)
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
+def say(
+    text: str,
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    threads: int | None,
+    ref: Path | None,
+    ref_text: str | None,
+    voice_file: Path | None,
+    out: Path,
+    seed: int | None,
+) -> None:
+    """Speak TEXT in the voice of --ref (or --voice) into a wav file (written atomically)."""
+    from .frontend.voice import Voice
+
+    _check_one_of(ref=ref, voice=voice_file)
+    if ref is None and voice_file is None:
+        raise click.UsageError("pass --ref ref.wav (with --ref-text for zero-shot) or --voice voice.npz.")
+    if ref_text is not None and ref is None:
+        raise click.UsageError("--ref-text goes with --ref.")
+    voice = Voice.load(voice_file) if voice_file is not None else None
+    tts = _load_tts(engines, model_dir, source, threads)
+    if voice is None:
+        voice = tts.voice_from_wav(ref, ref_text)
+    tts.synthesize_to_file(text, out, voice, seed=seed)
+    click.echo(f"wrote {out}")
+
+
+@main.group()
+def voices() -> None:
+    """Make and keep voices (the prompt features of a reference recording) as files."""
+
+
+@voices.command("save")
+@click.option(
+    "--ref",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Reference recording (1-30 s).",
+)
+@click.option("--ref-text", default=None, help="Transcript of --ref (zero-shot); without it: cross-lingual.")
+@_engine_options
+@click.option(
+    "-o",
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Voice file to write (.npz).",
+)
+def voices_save(
+    ref: Path,
+    ref_text: str | None,
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    threads: int | None,
+    out: Path,
+) -> None:
+    """Make a voice from --ref and save it as one file, for `trt-cosy say --voice`."""
+    tts = _load_tts(engines, model_dir, source, threads)
+    voice = tts.voice_from_wav(ref, ref_text)
+    voice.save(out)
+    mode = "zero-shot" if voice.prompt_text else "cross-lingual"
+    click.echo(f"wrote {mode} voice ({voice.speech_tokens.shape[0]} prompt tokens) to {out}")
+
+
+@main.command()
+@click.argument("name", default="CosyVoice2-0.5B")
+@click.option("--source", type=click.Choice(_SOURCES), default="huggingface", show_default=True)
+@click.option(
+    "--dir",
+    "target",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where to put the release (default: the trt-cosy cache, $TRT_COSY_CACHE).",
+)
+def download(name: str, source: str, target: Path | None) -> None:
+    """Fetch a release (NAME: CosyVoice2-0.5B or a repository id) with the files inference needs."""
+    from .download import download_model
+
+    path = download_model(name, source, target)
+    click.echo(
+        f'release ready in {path}; speak with: trt-cosy say "Hello." --model-dir {path} --ref ref.wav -o out.wav'
+    )
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

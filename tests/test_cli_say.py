@@ -1,0 +1,317 @@
+"""`trt-cosy say`, `voices save` and `download`: options, bad input, the cache, and a torch-free run.
+
+Fast tests drive the CLI with CliRunner and a CosyVoice injected in place of ``CosyVoice.load``
+(the torch reference model of tests/test_tts.py; where audio is written, a stub renders it).
+Slow tests run the real commands on ONNX Runtime engines in a subprocess with ``import torch`` blocked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+from click.testing import CliRunner
+
+# Shared fixtures and helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
+from test_tts import REF_TEXT, make_torch_tts, reference_wavs, tiny_engines, tiny_release
+
+from trt_cosy import AudioChunk, Voice
+from trt_cosy.cli import main
+from trt_cosy.download import engines_cache_dir
+from trt_cosy.tts import CosyVoice
+
+_BLOCK_TORCH = textwrap.dedent(
+    """
+    import sys
+    class _NoTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is blocked in this test")
+            return None
+    sys.meta_path.insert(0, _NoTorch())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def wavs(tmp_path_factory) -> dict[str, Path]:
+    return reference_wavs(tmp_path_factory.mktemp("cli-wavs"))
+
+
+@pytest.fixture(scope="module")
+def torch_tts(tmp_path_factory, v2_tiny_dir) -> CosyVoice:
+    return make_torch_tts(tiny_release(tmp_path_factory, v2_tiny_dir))
+
+
+@pytest.fixture
+def injected(torch_tts, monkeypatch) -> CosyVoice:
+    """``CosyVoice.load`` returns the torch-reference CosyVoice; records the paths it was asked for."""
+    torch_tts.loaded_from = []
+
+    def fake_load(path, backend="auto", config=None):
+        torch_tts.loaded_from.append(Path(path))
+        return torch_tts
+
+    monkeypatch.setattr(CosyVoice, "load", staticmethod(fake_load))
+    return torch_tts
+
+
+@pytest.fixture
+def stub_render(injected, monkeypatch) -> CosyVoice:
+    """Synthesis renders 0.1 s of a sine per segment (the plumbing is under test, not the models)."""
+
+    def render(stages, segment, voice, sampler, rng, index, is_last):
+        samples = (0.1 * np.sin(np.arange(2400) / 10.0)).astype(np.float32)
+        return AudioChunk(samples, injected.sample_rate, index, is_last, {"tokens": 5}, segment.text)
+
+    monkeypatch.setattr(injected, "_render", render)
+    return injected
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(main, [str(arg) for arg in args])
+
+
+def _save_voice(tts: CosyVoice, wav: Path, path: Path, model_id: str | None = None) -> Path:
+    voice = tts.voice_from_wav(wav, REF_TEXT)
+    if model_id is not None:
+        fields = {key: getattr(voice, key) for key in voice.__dataclass_fields__}
+        voice = Voice(**{**fields, "model_id": model_id})
+    return voice.save(path)
+
+
+# ----------------------------------------------------------------------------- options and bad input
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "pass --ref ref.wav"),
+        (["--ref", "{ref}", "--voice", "{voice}"], "only one of --ref, --voice"),
+        (["--voice", "{voice}", "--ref-text", "hi"], "--ref-text goes with --ref"),
+        (["--ref", "{ref}", "--model-dir", "{dir}"], "only one of --engines, --model-dir"),
+    ],
+)
+def test_say_usage_errors(injected, wavs, tmp_path, extra, message):
+    voice = _save_voice(injected, wavs["ref"], tmp_path / "voice.npz")
+    values = {"ref": wavs["ref"], "voice": voice, "dir": tmp_path}
+    args = [item.format(**values) for item in extra]
+    result = _invoke("say", "Hello.", "--engines", tmp_path, *args, "-o", tmp_path / "out.wav")
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "out.wav").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "source", "message"),
+    [
+        ("", "ref", "text is empty"),
+        (" \n ", "ref", "text is empty"),
+        ("?!…", "ref", "only punctuation or symbols"),
+        (" ".join(["word"] * 600), "ref", "fit in one segment"),
+        ("Hello.", "short", "at least 1 s"),
+        ("Hello.", "long", "at most 30 s"),
+        ("Hello.", "silent", "is silent"),
+        ("Hello.", "unreadable", "could not read"),
+        ("Hello.", "not_a_voice", "is not a trt-cosy voice file"),
+        ("Hello.", "missing_voice", "does not exist. Make one with `trt-cosy voices save`"),
+        ("Hello.", "foreign_voice", "this voice was made for model v2-00000000deadbeef"),
+    ],
+)
+def test_say_bad_input_gives_its_message_and_no_file(injected, wavs, tmp_path, text, source, message):
+    if source in wavs or source == "ref":
+        voice_args = ["--ref", wavs[source], "--ref-text", REF_TEXT]
+    elif source == "not_a_voice":
+        voice_args = ["--voice", wavs["ref"]]
+    elif source == "missing_voice":
+        voice_args = ["--voice", tmp_path / "nope.npz"]
+    else:
+        foreign = _save_voice(injected, wavs["ref"], tmp_path / "foreign.npz", model_id="v2-00000000deadbeef")
+        voice_args = ["--voice", foreign]
+    out = tmp_path / "out.wav"
+    result = _invoke("say", text, "--engines", tmp_path, *voice_args, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and message in result.output, result.output
+    assert not out.exists()
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".out.wav")]
+
+
+def test_say_on_missing_engines_says_to_build(wavs, tmp_path):
+    out = tmp_path / "out.wav"
+    result = _invoke("say", "Hello.", "--engines", tmp_path / "engines", "--ref", wavs["ref"], "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "trt-cosy build" in result.output
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- cache, build, download
+
+
+def test_say_model_dir_builds_engines_into_the_cache(stub_render, wavs, tmp_path, monkeypatch, v2_tiny_dir):
+    import trt_cosy.build.engines as build_module
+
+    monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
+    release = tmp_path / "release"
+    shutil.copytree(v2_tiny_dir, release)
+    builds = []
+
+    def fake_build(model_dir, out_dir, backend, precision, force=False, progress=None):
+        builds.append((Path(model_dir), Path(out_dir), backend, precision))
+        progress("fake build step")
+        return Path(out_dir)
+
+    monkeypatch.setattr(build_module, "build_engines", fake_build)
+    out = tmp_path / "out.wav"
+    result = _invoke(
+        "say", "Hello there.", "--model-dir", release, "--ref", wavs["ref"], "-o", out, "--seed", 1
+    )
+    assert result.exit_code == 0, result.output
+    expected_dir = engines_cache_dir(release)
+    assert builds == [(release, expected_dir, "onnxruntime", "fp32")]
+    assert expected_dir.is_relative_to(tmp_path / "cache" / "engines")
+    assert expected_dir.name == "onnxruntime-fp32" and expected_dir.parent.name.startswith("release-")
+    assert "fake build step" in result.output and stub_render.loaded_from == [expected_dir]
+    audio, rate = soundfile.read(out, dtype="float32")
+    assert rate == 24000 and audio.shape == (2400,)
+
+
+def _fake_hub(release: Path, calls: list):
+    def snapshot_download(repo_id, local_dir, allow_patterns=None, **kwargs):
+        calls.append((repo_id, tuple(allow_patterns or ())))
+        shutil.copytree(release, local_dir, dirs_exist_ok=True)
+        return local_dir
+
+    return snapshot_download
+
+
+def test_say_without_a_model_downloads_builds_and_speaks(
+    stub_render, wavs, tmp_path, monkeypatch, tmp_path_factory, v2_tiny_dir
+):
+    import huggingface_hub
+
+    import trt_cosy.build.engines as build_module
+
+    monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
+    calls: list = []
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", _fake_hub(tiny_release(tmp_path_factory, v2_tiny_dir), calls)
+    )
+    monkeypatch.setattr(build_module, "build_engines", lambda model_dir, out_dir, **kwargs: Path(out_dir))
+    out = tmp_path / "out.wav"
+    result = _invoke("say", "Hello.", "--ref", wavs["ref"], "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "CosyVoice2-0.5B" in result.output and out.is_file()
+    assert [repo for repo, _ in calls] == ["FunAudioLLM/CosyVoice2-0.5B"]
+    assert "llm.pt" in calls[0][1] and not any("safetensors" in pattern for pattern in calls[0][1])
+    release = tmp_path / "cache" / "models" / "CosyVoice2-0.5B"
+    assert stub_render.loaded_from == [engines_cache_dir(release)]
+    # A second download finds the complete release and fetches nothing.
+    result = _invoke("download")
+    assert result.exit_code == 0, result.output
+    assert str(release) in result.output and len(calls) == 1
+
+
+def test_no_network_gives_a_clear_message_and_no_file(wavs, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Network is unreachable")
+
+    monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    result = _invoke("download", "--dir", tmp_path / "release")
+    assert result.exit_code == 2, result.output
+    assert "Network is unreachable" in result.output and "--model-dir" in result.output
+    assert "git clone https://huggingface.co/FunAudioLLM/CosyVoice2-0.5B" in result.output
+    out = tmp_path / "out.wav"
+    result = _invoke("say", "Hello.", "--ref", wavs["ref"], "-o", out)
+    assert result.exit_code == 2 and "--model-dir" in result.output, result.output
+    assert not out.exists()
+
+
+def test_download_options_are_checked(tmp_path, monkeypatch):
+    result = _invoke("download", "CosyVoice9-1B", "--dir", tmp_path)
+    assert result.exit_code == 2 and "unknown model 'CosyVoice9-1B'" in result.output, result.output
+    monkeypatch.setitem(sys.modules, "modelscope", None)  # as if not installed
+    result = _invoke("download", "--source", "modelscope", "--dir", tmp_path)
+    assert result.exit_code == 2 and "pip install 'trt-cosy[download]'" in result.output, result.output
+
+
+# ----------------------------------------------------------------------------- torch-free end to end
+
+
+def test_new_commands_import_no_torch():
+    code = _BLOCK_TORCH + textwrap.dedent(
+        """
+        import trt_cosy.tts, trt_cosy.download
+        from trt_cosy.cli import main
+        for args in (["say", "--help"], ["voices", "save", "--help"], ["download", "--help"]):
+            try:
+                main(args)
+            except SystemExit as exc:
+                assert exc.code == 0, (args, exc.code)
+        assert "torch" not in sys.modules, "torch was imported"
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--ref-text" in result.stdout and "--source" in result.stdout
+
+
+def _run_cli_without_torch(
+    commands: list[list[str]], env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    code = _BLOCK_TORCH + textwrap.dedent(
+        f"""
+        from trt_cosy.cli import main
+        for args in {commands!r}:
+            try:
+                main(args, standalone_mode=False)
+            except SystemExit as exc:
+                sys.exit(f"{{args[0]}} exited with {{exc.code}}")
+        assert "torch" not in sys.modules, "torch was imported"
+        print("all commands ok")
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
+
+
+@pytest.mark.slow
+def test_say_voices_save_round_trip_without_torch(tmp_path_factory, v2_tiny_dir, wavs, tmp_path, monkeypatch):
+    engines = tiny_engines(tmp_path_factory, v2_tiny_dir)
+    release = tiny_release(tmp_path_factory, v2_tiny_dir)
+    env = {"TRT_COSY_CACHE": str(tmp_path / "cache")}
+    monkeypatch.setenv("TRT_COSY_CACHE", env["TRT_COSY_CACHE"])
+    cached_dir = engines_cache_dir(release)
+    cached_dir.parent.mkdir(parents=True)
+    cached_dir.symlink_to(engines, target_is_directory=True)  # current engines: `--model-dir` must not build
+    ref, out = str(wavs["ref"]), tmp_path
+    commands = [
+        ["say", "Good morning.", "--engines", str(engines), "--ref", ref, "--ref-text", REF_TEXT,
+         "-o", str(out / "ref.wav"), "--seed", "5", "--threads", "1"],
+        ["voices", "save", "--ref", ref, "--ref-text", REF_TEXT, "--engines", str(engines),
+         "-o", str(out / "voice.npz")],
+        ["say", "Good morning.", "--engines", str(engines), "--voice", str(out / "voice.npz"),
+         "-o", str(out / "voice.wav"), "--seed", "5"],
+        ["say", "Good morning.", "--model-dir", str(release), "--voice", str(out / "voice.npz"),
+         "-o", str(out / "cached.wav"), "--seed", "5"],
+    ]  # fmt: skip
+    result = _run_cli_without_torch(commands, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "all commands ok" in result.stdout
+    first, rate = soundfile.read(out / "ref.wav", dtype="float32")
+    assert rate == 24000 and first.shape[0] > 0 and first.shape[0] % (2 * 480) == 0, first.shape
+    assert np.abs(first).max() > 1e-3
+    for name in ("voice.wav", "cached.wav"):
+        other, _ = soundfile.read(out / name, dtype="float32")
+        np.testing.assert_array_equal(other, first, err_msg=name)
+    assert Voice.load(out / "voice.npz").prompt_text == REF_TEXT

@@ -1,0 +1,185 @@
+"""Releases and engines in the local cache: ``trt-cosy download`` and the engines ``say`` builds on demand.
+
+Cache layout (root ``~/.cache/trt-cosy``, or ``$TRT_COSY_CACHE``)::
+
+    models/<name>/                                  a downloaded release (only the files inference needs)
+    engines/<release name>-<key>/onnxruntime-fp32/  engines built from a release; <key> hashes the
+                                                    names, sizes and mtimes of its checkpoint files
+
+huggingface_hub / modelscope are imported only when a download is needed (the ``download`` extra);
+torch only when engines must be built (the ``build`` extra).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+from .errors import EngineMismatchError, InputError, ModelDirError, TrtCosyError, require
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "SOURCES",
+    "cache_root",
+    "download_model",
+    "engines_cache_dir",
+    "prepare_engines",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+DEFAULT_MODEL: Final = "CosyVoice2-0.5B"
+SOURCES: Final = ("huggingface", "modelscope")
+CACHE_ENV: Final = "TRT_COSY_CACHE"
+# Short names -> repository id per source.
+_KNOWN_MODELS: Final = {
+    "CosyVoice2-0.5B": {"huggingface": "FunAudioLLM/CosyVoice2-0.5B", "modelscope": "iic/CosyVoice2-0.5B"},
+}
+# What inference needs from a CosyVoice2 release: not the 1 GB Qwen safetensors (llm.pt overwrites
+# them), the TorchScript files or the pre-exported estimator.
+_RELEASE_FILES: Final = (
+    "cosyvoice2.yaml",
+    "llm.pt",
+    "flow.pt",
+    "hift.pt",
+    "campplus.onnx",
+    "speech_tokenizer_v2.onnx",
+    "CosyVoice-BlankEN/config.json",
+    "CosyVoice-BlankEN/vocab.json",
+    "CosyVoice-BlankEN/merges.txt",
+)
+_ALLOW_PATTERNS: Final = [*_RELEASE_FILES, "CosyVoice-BlankEN/*.json"]
+_WEB: Final = {"huggingface": "https://huggingface.co/", "modelscope": "https://www.modelscope.cn/"}
+_BACKEND: Final = "onnxruntime"
+_PRECISION: Final = "fp32"
+
+Progress = Callable[[str], None]
+
+
+def cache_root() -> Path:
+    """``$TRT_COSY_CACHE`` when set, else ``~/.cache/trt-cosy``."""
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "trt-cosy"
+
+
+def _repo_id(name: str, source: str) -> str:
+    if source not in SOURCES:
+        raise InputError(f"unknown download source {source!r}; use one of {', '.join(SOURCES)}.")
+    if "/" in name:
+        return name
+    if name not in _KNOWN_MODELS:
+        raise InputError(
+            f"unknown model {name!r}; known: {', '.join(_KNOWN_MODELS)}, or pass a repository id "
+            "such as FunAudioLLM/CosyVoice2-0.5B."
+        )
+    return _KNOWN_MODELS[name][source]
+
+
+def _is_complete(release: Path) -> bool:
+    return all((release / name).is_file() for name in _RELEASE_FILES)
+
+
+def download_model(
+    name: str = DEFAULT_MODEL, source: str = "huggingface", target: Path | None = None
+) -> Path:
+    """Fetch a release (only the files inference needs) into ``target`` and return it.
+
+    ``target`` defaults to ``<cache>/models/<name>``; a complete release already there is reused.
+
+    Raises:
+        InputError: unknown model or source.
+        MissingDependencyError: huggingface_hub / modelscope is not installed.
+        TrtCosyError: the download failed (no network...): the message says how to download by hand.
+    """
+    repo = _repo_id(name, source)
+    target = Path(target) if target is not None else cache_root() / "models" / repo.rsplit("/", 1)[-1]
+    if _is_complete(target):
+        _LOGGER.info("release %s already in %s", repo, target)
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        _fetch(repo, source, target)
+    except TrtCosyError:
+        raise
+    except Exception as exc:  # network, HTTP and hub errors have no common base class
+        raise TrtCosyError(
+            f"could not download {repo} from {source} ({type(exc).__name__}: {exc}). Without network access, "
+            f"download the release by hand (e.g. `git clone {_WEB[source]}{repo}` on another machine), copy it "
+            "here and pass --model-dir DIR."
+        ) from exc
+    missing = [name for name in _RELEASE_FILES if not (target / name).is_file()]
+    if missing:
+        raise ModelDirError(
+            f"{repo} was downloaded to {target} but lacks {', '.join(missing)}; is it a CosyVoice2 release? "
+            "Pass the folder of one with --model-dir."
+        )
+    return target
+
+
+def _fetch(repo: str, source: str, target: Path) -> None:
+    if source == "huggingface":
+        hub = require("huggingface_hub", "download")
+        hub.snapshot_download(repo, local_dir=str(target), allow_patterns=list(_ALLOW_PATTERNS))
+        return
+    require("modelscope", "download")
+    from modelscope import snapshot_download
+
+    try:
+        snapshot_download(repo, local_dir=str(target), allow_patterns=list(_ALLOW_PATTERNS))
+    except TypeError:  # modelscope releases before allow_patterns / local_dir
+        snapshot_download(repo, local_dir=str(target))
+
+
+def _checkpoint_key(model_dir: Path) -> str:
+    """A cheap fingerprint of a release: names, sizes and mtimes of its checkpoint files."""
+    from .runtime.manifest import CHECKPOINT_FILES
+
+    stats = []
+    for name in CHECKPOINT_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            raise ModelDirError(
+                f"{model_dir} lacks {name}; pass an official CosyVoice2 release directory "
+                f"({', '.join(CHECKPOINT_FILES)}), e.g. one fetched with `trt-cosy download`."
+            )
+        stat = path.stat()
+        stats.append([name, stat.st_size, stat.st_mtime_ns])
+    return hashlib.sha256(json.dumps(stats).encode("utf-8")).hexdigest()[:16]
+
+
+def engines_cache_dir(model_dir: Path) -> Path:
+    """Where engines built from ``model_dir`` live in the cache."""
+    model_dir = Path(model_dir).resolve()
+    return (
+        cache_root()
+        / "engines"
+        / f"{model_dir.name}-{_checkpoint_key(model_dir)}"
+        / f"{_BACKEND}-{_PRECISION}"
+    )
+
+
+def prepare_engines(model_dir: Path, progress: Progress | None = None) -> Path:
+    """Engines for ``model_dir`` from the cache, built there first when missing or stale.
+
+    Current engines are used without torch; building needs the ``build`` extra (torch, onnx).
+    """
+    from .runtime.manifest import Manifest
+
+    out_dir = engines_cache_dir(model_dir)
+    try:
+        Manifest.read(out_dir).check(out_dir, backend=_BACKEND, precision=_PRECISION)
+        return out_dir
+    except EngineMismatchError as exc:
+        _LOGGER.info("building engines: %s", exc)
+    if progress is not None:
+        progress(f"building {_BACKEND} engines for {model_dir} into {out_dir} (first use; takes a while)")
+    require("torch", "build")
+    require("onnx", "build")
+    from .build.engines import build_engines
+
+    return build_engines(model_dir, out_dir, backend=_BACKEND, precision=_PRECISION, progress=progress)

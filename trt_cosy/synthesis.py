@@ -1,0 +1,268 @@
+"""The per-call pieces of synthesis (numpy only): configs, audio chunks, text planning, wav writing.
+
+``CosyVoice`` (``trt_cosy.tts``) ties these to the stages. Everything here is either an immutable
+value (``EngineConfig``, ``SynthesisConfig``, ``AudioChunk``, ``Segment``) or a pure function, so a
+request never shares mutable state with another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import unicodedata
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from .errors import InputError
+
+if TYPE_CHECKING:
+    from .frontend.voice import Voice
+
+__all__ = [
+    "EngineConfig",
+    "SynthesisConfig",
+    "AudioChunk",
+    "Segment",
+    "plan_segments",
+    "segment_token_limit",
+    "llm_prompt",
+    "write_audio",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+NORMALIZER_ENGINES: Final = ("wetext", "none")
+_WAV_FORMAT: Final = "WAV"
+_OUTPUT_MODE: Final = 0o644  # mkstemp creates 0600 files; the output is an ordinary file
+
+
+def _from_dict(cls: type, raw: Mapping[str, Any]) -> Any:
+    if not isinstance(raw, Mapping):
+        raise InputError(f"{cls.__name__}.from_dict needs a mapping, got {type(raw).__name__}.")
+    known = {item.name for item in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise InputError(f"unknown {cls.__name__} fields {unknown}; known fields: {sorted(known)}.")
+    return cls(**raw)
+
+
+def _check_normalizer(engine: str | None) -> None:
+    if engine is not None and engine not in NORMALIZER_ENGINES:
+        raise InputError(f"unknown text normaliser {engine!r}; use one of {', '.join(NORMALIZER_ENGINES)}.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Load-time options of ``CosyVoice.load``. ``None`` means the default."""
+
+    threads: int | None = None
+    """Intra-op CPU threads of every ONNX Runtime session, >= 1. None: the physical cores."""
+    normalizer: str | None = None
+    """Default text normaliser: ``"wetext"`` (numbers, dates, money verbalised first) or ``"none"``
+    (rules only). None: wetext when installed, else ``"none"`` (what the official code falls back to)."""
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise InputError(f"threads must be a positive integer or None, got {self.threads!r}.")
+        _check_normalizer(self.normalizer)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> EngineConfig:
+        return _from_dict(cls, raw)
+
+
+@dataclass(frozen=True)
+class SynthesisConfig:
+    """Per-call options of ``CosyVoice.synthesize``. ``None`` means the model default."""
+
+    max_text_tokens: int | None = None
+    """Refuse a text segment with more text tokens than this, >= 1. None: the most the engines
+    support for the voice (the flow's fixed noise covers at most 15000 mel frames = 300 s)."""
+    speed: float | None = None
+    """Speaking-rate factor. None or 1.0; other values are refused in this version."""
+    text_frontend: bool | None = None
+    """Normalise and split the text into sentences (official ``text_frontend``). None: True.
+    False synthesises the text exactly as given, in one segment."""
+    normalizer: str | None = None
+    """``"wetext"`` or ``"none"`` for this call. None: the engine's default (``EngineConfig``)."""
+
+    def __post_init__(self) -> None:
+        if self.max_text_tokens is not None and (
+            not isinstance(self.max_text_tokens, int) or self.max_text_tokens < 1
+        ):
+            raise InputError(
+                f"max_text_tokens must be a positive integer or None, got {self.max_text_tokens!r}."
+            )
+        if self.speed is not None and self.speed != 1.0:
+            raise InputError(f"speed {self.speed!r} is not supported yet; only 1.0 is. Leave speed unset.")
+        if self.text_frontend is not None and not isinstance(self.text_frontend, bool):
+            raise InputError(f"text_frontend must be True, False or None, got {self.text_frontend!r}.")
+        _check_normalizer(self.normalizer)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> SynthesisConfig:
+        return _from_dict(cls, raw)
+
+
+@dataclass(frozen=True, eq=False)
+class AudioChunk:
+    """One piece of synthesised audio: in non-streaming synthesis, one per text segment.
+
+    Attributes:
+        samples: mono waveform, float32 [N], values in [-1, 1].
+        sample_rate: Hz (24000 for CosyVoice2).
+        index: position of this chunk in the request, from 0.
+        is_last: True for the request's final chunk.
+        timings: ``llm_s``, ``flow_s``, ``vocoder_s`` (seconds), ``tokens`` (speech tokens the LLM
+            produced), ``audio_s`` (seconds of audio) and ``rtf`` (compute time / audio time).
+        text: the normalised text segment this chunk speaks.
+    """
+
+    samples: np.ndarray
+    sample_rate: int
+    index: int
+    is_last: bool
+    timings: Mapping[str, float] = field(default_factory=dict)
+    text: str = ""
+
+    @property
+    def duration(self) -> float:
+        """Length in seconds."""
+        return self.samples.shape[0] / self.sample_rate
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """One text segment to synthesise: its (normalised) text and its text token ids, int64 [N]."""
+
+    text: str
+    ids: np.ndarray
+
+
+def _only_punctuation(text: str) -> bool:
+    """True when ``text`` holds nothing but punctuation, symbols and whitespace."""
+    return all(unicodedata.category(char)[0] in "PSZ" or char.isspace() for char in text)
+
+
+def plan_segments(
+    text: str,
+    split: Callable[[str], list[str]] | None,
+    encode: Callable[[str], Sequence[int]],
+    limit: int,
+) -> list[Segment]:
+    """Check the request text and cut it into the segments to synthesise one after another.
+
+    Args:
+        text: the user's text.
+        split: ``text -> list[str]`` (``TextNormalizer.split``), or None to keep the text as one
+            segment without normalisation (the official ``text_frontend=False``).
+        encode: ``text -> list[int]`` (``QwenTextTokenizer.encode``).
+        limit: the most text tokens one segment may have.
+
+    Raises:
+        InputError: the text is not a string, is empty, whitespace or punctuation only, or a segment
+            has more than ``limit`` tokens.
+    """
+    if not isinstance(text, str):
+        raise InputError(f"text must be a str, got {type(text).__name__}.")
+    if not text.strip():
+        raise InputError("the text is empty; pass the words to speak.")
+    if _only_punctuation(text):
+        raise InputError(f"the text {text!r} has only punctuation or symbols; pass words to speak.")
+    pieces = split(text) if split is not None else [text]
+    segments = [Segment(piece, np.asarray(encode(piece), dtype=np.int64)) for piece in pieces]
+    segments = [segment for segment in segments if segment.ids.size]
+    if not segments:
+        raise InputError(f"the text {text!r} has nothing to speak after normalisation; pass words to speak.")
+    for number, segment in enumerate(segments, start=1):
+        if segment.ids.size > limit:
+            raise InputError(
+                f"text segment {number} has {segment.ids.size} text tokens; at most {limit} fit in one "
+                f"segment. Split the text into shorter sentences with punctuation (. ! ? ;), or send it "
+                f"in parts. Segment starts: {segment.text[:60]!r}"
+            )
+    return segments
+
+
+def segment_token_limit(
+    noise_frames: int, token_mel_ratio: int, max_token_text_ratio: float, prompt_tokens: int
+) -> int:
+    """The most text tokens of one segment whose longest possible speech still fits the flow.
+
+    The LLM may produce up to ``max_token_text_ratio`` speech tokens per text token; the flow runs on
+    prompt + new tokens at ``token_mel_ratio`` frames each and has ``noise_frames`` of start noise.
+    """
+    speech_budget = noise_frames // token_mel_ratio - prompt_tokens
+    return max(0, int(speech_budget // max_token_text_ratio))
+
+
+def llm_prompt(voice: Voice) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt text ids, prompt speech ids) for the LLM input (spec §2.4).
+
+    Zero-shot (the voice has a transcript): both. Cross-lingual (no transcript): neither — the
+    LLM sees only the text to speak; the flow still gets the voice's prompt tokens, mel and embedding.
+    """
+    if voice.prompt_text_ids.size:
+        return voice.prompt_text_ids.astype(np.int64), voice.speech_tokens.astype(np.int64)
+    return np.zeros(0, np.int64), np.zeros(0, np.int64)
+
+
+def _audio_format(path: Path) -> str:
+    import soundfile
+
+    if not path.suffix:
+        return _WAV_FORMAT
+    name = path.suffix[1:].upper()
+    formats = soundfile.available_formats()
+    if name not in formats:
+        raise InputError(
+            f"cannot write audio as {path.suffix!r}; use one of .wav, .flac, .ogg "
+            f"(libsndfile formats: {', '.join(sorted(formats)).lower()})."
+        )
+    return name
+
+
+def write_audio(chunks: Iterable[AudioChunk], path: str | Path, sample_rate: int) -> Path:
+    """Write every chunk to ``path`` (format from the suffix, WAV without one) atomically.
+
+    The audio goes to a temporary file next to ``path`` that replaces it only when all chunks were
+    written; on any error (or interruption) the temporary file is removed, ``path`` is left as it
+    was, and a generator of chunks is closed. Returns ``path``.
+    """
+    import soundfile
+
+    path = Path(path)
+    try:
+        if not path.parent.is_dir():
+            raise InputError(f"cannot write {path}: folder {path.parent} does not exist. Create it first.")
+        audio_format = _audio_format(path)
+        handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(handle)
+        try:
+            subtype = soundfile.default_subtype(audio_format)
+            with soundfile.SoundFile(temp_name, "w", sample_rate, 1, subtype, format=audio_format) as sink:
+                for chunk in chunks:
+                    sink.write(np.clip(chunk.samples, -1.0, 1.0))  # samples: [N]
+            os.chmod(temp_name, _OUTPUT_MODE)
+            os.replace(temp_name, path)
+        except BaseException:
+            Path(temp_name).unlink(missing_ok=True)
+            raise
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+    _LOGGER.debug("wrote %s", path)
+    return path

@@ -1,0 +1,392 @@
+"""The Python API: ``CosyVoice``, a handle on loaded engines that speaks text in a voice.
+
+    tts = CosyVoice.load("engines/cosyvoice2/onnxruntime-fp32")
+    voice = tts.voice_from_wav("ref.wav", text="transcript of ref.wav")   # zero-shot
+    tts.synthesize_to_file("Hello there.", "out.wav", voice, seed=0)
+
+The engine holds only read-only resources (graphs, tables, tokenizer, normaliser); every request
+keeps its own sampler and random generator, so one ``CosyVoice`` serves many threads at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Final, NamedTuple
+
+import numpy as np
+
+from .errors import EngineMismatchError, InputError, MissingDependencyError
+from .frontend.text import TextNormalizer
+from .frontend.tokenizer import QwenTextTokenizer
+from .frontend.voice import Voice, VoiceBuilder
+from .runtime.model import LoadedModel
+from .stages.flow import FlowStage
+from .stages.llm import LLMStage
+from .stages.sampling import RASSampler
+from .stages.vocoder import VocoderStage
+from .synthesis import (
+    AudioChunk,
+    EngineConfig,
+    Segment,
+    SynthesisConfig,
+    llm_prompt,
+    plan_segments,
+    segment_token_limit,
+    write_audio,
+)
+
+__all__ = ["CosyVoice", "model_id_from_checkpoint"]
+
+_LOGGER = logging.getLogger(__name__)
+
+_ORT_NAMES: Final = ("auto", "onnxruntime", "ort")
+_TRT_NAMES: Final = ("trt", "tensorrt")
+_CAMPPLUS_FILE: Final = "campplus.onnx"
+_SPEECH_TOKENIZER_FILE: Final = "speech_tokenizer_v2.onnx"
+
+
+def model_id_from_checkpoint(family: str, checkpoint_hashes: Mapping[str, str]) -> str:
+    """A short id of a checkpoint (``"v2-<16 hex>"``) from the sha256 of its files; voices record it."""
+    digest = hashlib.sha256(json.dumps(dict(sorted(checkpoint_hashes.items()))).encode("utf-8"))
+    return f"{family}-{digest.hexdigest()[:16]}"
+
+
+class _LazyOrtRunner:
+    """An ``OrtRunner`` loaded on first use: the 500 MB speech tokenizer is only read when a voice is made."""
+
+    def __init__(self, path: Path, name: str, threads: int | None):
+        self.path, self.name, self.threads = path, name, threads
+        self._runner = None
+        self._lock = threading.Lock()
+
+    def _get(self):
+        with self._lock:
+            if self._runner is None:
+                from .runtime.ort import OrtRunner
+
+                self._runner = OrtRunner.from_path(self.path, self.name, self.threads)
+            return self._runner
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self._get().input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self._get().output_names
+
+    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._get().infer(feed)
+
+
+class _Stages(NamedTuple):
+    llm: LLMStage
+    flow: FlowStage
+    vocoder: VocoderStage
+
+
+class CosyVoice:
+    """Text to speech with a CosyVoice2 model on loaded engines.
+
+    Build it with ``CosyVoice.load(engines_dir)``; the constructor takes ready-made parts so that
+    tests and servers can inject them.
+
+    Args:
+        model: the graphs, tables and config (``trt_cosy.runtime.engines.load_engines`` or the torch
+            reference ``trt_cosy.build.reference.load_torch_model``).
+        tokenizer: the text tokenizer (``QwenTextTokenizer``).
+        voice_builder: makes voices from reference recordings; its ``model_id`` is checked against
+            every voice used.
+        normalizer: the default text normaliser (``TextNormalizer`` with the tokenizer's token count).
+        engine_config: the options the engine was loaded with.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        tokenizer: QwenTextTokenizer,
+        voice_builder: VoiceBuilder,
+        normalizer: TextNormalizer,
+        engine_config: EngineConfig | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.voice_builder = voice_builder
+        self.normalizer = normalizer
+        self.engine_config = engine_config or EngineConfig()
+        self._normalizers: dict[str, TextNormalizer] = {}
+        self._normalizers_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | Path, backend: str = "auto", config: EngineConfig | None = None) -> CosyVoice:
+        """Load an engines directory written by ``trt-cosy build``.
+
+        Args:
+            path: the engines directory (``manifest.json``, the graphs, ``tokenizer/``, ``campplus.onnx``...).
+            backend: ``"auto"`` or ``"onnxruntime"`` (CPU). ``"trt"`` is not available in this version.
+            config: load-time options (threads, default text normaliser).
+
+        Raises:
+            EngineMismatchError: the engines are missing, incomplete or stale; the message gives the
+                ``trt-cosy build`` command to run.
+            InputError: an unknown backend.
+        """
+        config = config or EngineConfig()
+        if backend in _TRT_NAMES:
+            raise InputError(
+                "the TensorRT backend is not available in this version; use backend='onnxruntime' "
+                "(engines built with `trt-cosy build --backend onnxruntime`)."
+            )
+        if backend not in _ORT_NAMES:
+            raise InputError(f"unknown backend {backend!r}; use one of {', '.join(_ORT_NAMES + _TRT_NAMES)}.")
+        from .runtime.engines import TOKENIZER_DIR, load_engines
+        from .runtime.manifest import Manifest
+
+        path = Path(path)
+        if (path / "cosyvoice2.yaml").is_file() and not (path / "manifest.json").is_file():
+            raise EngineMismatchError(
+                f"{path} is a release directory, not an engines directory. Build engines from it with "
+                f"`trt-cosy build --model-dir {path} --out ENGINES` and load ENGINES, or run "
+                f"`trt-cosy say --model-dir {path} ...` (it builds into the cache)."
+            )
+        model = load_engines(path, threads=config.threads)
+        model_id = model_id_from_checkpoint(model.config.family, Manifest.read(path).checkpoint)
+        tokenizer = QwenTextTokenizer.from_dir(path / TOKENIZER_DIR)
+        builder = VoiceBuilder(
+            _LazyOrtRunner(path / _CAMPPLUS_FILE, "campplus", config.threads),
+            _LazyOrtRunner(path / _SPEECH_TOKENIZER_FILE, "speech_tokenizer", config.threads),
+            model.config.mel,
+            model.config.token_mel_ratio,
+            model_id=model_id,
+        )
+        normalizer = _make_normalizer(config.normalizer, tokenizer)
+        _LOGGER.info(
+            "loaded %s (%s, normaliser %s) from %s", model_id, model.backend, normalizer.engine, path
+        )
+        return cls(model, tokenizer, builder, normalizer, config)
+
+    @property
+    def sample_rate(self) -> int:
+        """Output sample rate in Hz (24000 for CosyVoice2)."""
+        return self.model.config.sample_rate
+
+    @property
+    def model_id(self) -> str:
+        """The id of the checkpoint these engines were built from (recorded in every voice made)."""
+        return self.voice_builder.model_id
+
+    def voice_from_wav(self, path: str | Path, text: str | None = None) -> Voice:
+        """Make a voice from a reference recording (1–30 s of speech, any rate >= 16 kHz).
+
+        Args:
+            path: the recording.
+            text: its transcript: zero-shot cloning. None (or blank): cross-lingual — the LLM gets no
+                prompt text and no prompt speech tokens, only the flow uses the reference.
+
+        Raises:
+            InputError: unreadable, too short, too long or silent audio.
+        """
+        if text is None or not text.strip():
+            return self.voice_builder.from_wav(path)
+        prompt_text = self.normalizer.normalize(text)
+        ids = np.asarray(self.tokenizer.encode(prompt_text), dtype=np.int32)  # ids: [Nt]
+        return self.voice_builder.from_wav(path, prompt_text_ids=ids, prompt_text=prompt_text)
+
+    def synthesize(
+        self, text: str, voice: Voice, seed: int | None = None, config: SynthesisConfig | None = None
+    ) -> Iterator[AudioChunk]:
+        """Speak ``text`` in ``voice``: one ``AudioChunk`` per sentence segment.
+
+        The text and voice are checked at once (``InputError`` with what to do); the models are
+        lazy: nothing runs until you iterate, and closing the iterator stops the work.
+
+        Args:
+            text: what to say; it is normalised and split into sentences as the official frontend does.
+            voice: from ``voice_from_wav`` or ``Voice.load``, made for this model.
+            seed: the same seed gives the same audio; None draws fresh entropy.
+            config: per-call options; None for the defaults.
+        """
+        config = config or SynthesisConfig()
+        if seed is not None and (not isinstance(seed, int) or seed < 0):
+            raise InputError(f"seed must be a non-negative integer or None, got {seed!r}.")
+        self._check_voice(voice)
+        limit = self._segment_limit(voice, config)
+        split = None if config.text_frontend is False else self._normalizer_for(config.normalizer).split
+        segments = plan_segments(text, split, self.tokenizer.encode, limit)
+        return self._generate(segments, voice, np.random.default_rng(seed))
+
+    def synthesize_to_file(
+        self,
+        text: str,
+        path: str | Path,
+        voice: Voice,
+        seed: int | None = None,
+        config: SynthesisConfig | None = None,
+    ) -> Path:
+        """Speak ``text`` into an audio file (WAV, or the format of the suffix), written atomically.
+
+        On any error no new file is left behind and an existing ``path`` is untouched.
+        """
+        return write_audio(self.synthesize(text, voice, seed, config), path, self.sample_rate)
+
+    def _check_voice(self, voice: Voice) -> None:
+        if not isinstance(voice, Voice):
+            raise InputError(
+                f"voice must be a trt_cosy.Voice (from voice_from_wav or Voice.load), got {type(voice).__name__}."
+            )
+        if voice.model_id and self.model_id and voice.model_id != self.model_id:
+            raise InputError(
+                f"this voice was made for model {voice.model_id}, not for {self.model_id}; make it again "
+                "with this model (`trt-cosy voices save` or CosyVoice.voice_from_wav)."
+            )
+        config = self.model.config
+        embed_dim = config.flow.spk_embed_dim
+        if (
+            voice.sample_rate != config.sample_rate
+            or voice.speaker_embedding.shape != (embed_dim,)
+            or voice.prompt_mel.shape
+            != (voice.speech_tokens.shape[0] * config.token_mel_ratio, config.mel.num_mels)
+        ):
+            raise InputError(
+                f"the voice does not fit this model ({voice.sample_rate} Hz, embedding "
+                f"{voice.speaker_embedding.shape}, prompt mel {voice.prompt_mel.shape}); make it again with "
+                "this model (`trt-cosy voices save`)."
+            )
+
+    def _segment_limit(self, voice: Voice, config: SynthesisConfig) -> int:
+        model_config = self.model.config
+        limit = segment_token_limit(
+            self.model.flow_noise.shape[2],
+            model_config.token_mel_ratio,
+            model_config.llm.max_token_text_ratio,
+            voice.speech_tokens.shape[0],
+        )
+        if limit < 1:
+            raise InputError(
+                f"the voice's prompt ({voice.speech_tokens.shape[0]} speech tokens) leaves no room for "
+                "speech in these engines; make the voice from a shorter reference (3-10 s)."
+            )
+        return limit if config.max_text_tokens is None else min(limit, config.max_text_tokens)
+
+    def _normalizer_for(self, engine: str | None) -> TextNormalizer:
+        if engine is None or engine == self.normalizer.engine:
+            return self.normalizer
+        with self._normalizers_lock:
+            if engine not in self._normalizers:
+                self._normalizers[engine] = TextNormalizer(engine, count_tokens=self.tokenizer.count_tokens)
+            return self._normalizers[engine]
+
+    @functools.cached_property
+    def _stages(self) -> _Stages:
+        model, runners = self.model, self.model.runners
+        config = model.config
+        return _Stages(
+            llm=LLMStage(runners["llm"], model.llm_tables, config.llm),
+            flow=FlowStage(
+                runners["flow_encoder"],
+                runners["flow_estimator"],
+                runners["flow_estimator_stream"],
+                model.flow_noise,
+                config.flow,
+            ),
+            vocoder=VocoderStage(runners["hift"], config.hift),
+        )
+
+    def _generate(
+        self, segments: list[Segment], voice: Voice, rng: np.random.Generator
+    ) -> Iterator[AudioChunk]:
+        """The request loop: all of its state (sampler, rng) is local to this generator."""
+        stages = self._stages
+        sampler = RASSampler.from_config(self.model.config.llm, rng)
+        started = time.perf_counter()
+        done = 0
+        try:
+            for index, segment in enumerate(segments):
+                chunk = self._render(stages, segment, voice, sampler, rng, index, index == len(segments) - 1)
+                if index == 0:
+                    _LOGGER.debug("time to first audio: %.3f s", time.perf_counter() - started)
+                done += 1
+                yield chunk
+        finally:
+            _LOGGER.debug(
+                "request %s after %d of %d segments in %.3f s",
+                "finished" if done == len(segments) else "stopped",
+                done,
+                len(segments),
+                time.perf_counter() - started,
+            )
+
+    def _render(
+        self,
+        stages: _Stages,
+        segment: Segment,
+        voice: Voice,
+        sampler: RASSampler,
+        rng: np.random.Generator,
+        index: int,
+        is_last: bool,
+    ) -> AudioChunk:
+        """One segment: LLM speech tokens -> flow mel (full attention, one pass) -> vocoder."""
+        config = self.model.config
+        prompt_text_ids, prompt_speech_ids = llm_prompt(voice)
+        # The flow runs on prompt + new tokens; never let the LLM outgrow the fixed noise.
+        budget = self.model.flow_noise.shape[2] // config.token_mel_ratio - voice.speech_tokens.shape[0]
+        start = time.perf_counter()
+        stream = stages.llm.generate(
+            segment.ids, prompt_text_ids, prompt_speech_ids, sampler, max_new_tokens=budget
+        )
+        try:
+            tokens = np.fromiter(stream, dtype=np.int64)  # tokens: [n]
+        finally:
+            stream.close()
+        llm_done = time.perf_counter()
+        samples = np.zeros(0, np.float32)
+        flow_done = llm_done
+        if tokens.size:
+            mel = stages.flow.token2mel(
+                tokens[None],  # [1, n]
+                voice.speech_tokens.astype(np.int64)[None],  # [1, P]
+                voice.prompt_mel[None],  # [1, 2P, 80]
+                voice.speaker_embedding[None],  # [1, 192]
+                streaming=False,
+                finalize=True,
+            ).mel  # mel: [1, 80, 2n]
+            flow_done = time.perf_counter()
+            samples = stages.vocoder.render(mel, rng)[0]  # samples: [480 * 2n]
+        end = time.perf_counter()
+        audio_s = samples.shape[0] / config.sample_rate
+        timings = {
+            "llm_s": llm_done - start,
+            "flow_s": flow_done - llm_done,
+            "vocoder_s": end - flow_done,
+            "tokens": int(tokens.size),
+            "audio_s": audio_s,
+            "rtf": (end - start) / audio_s if audio_s > 0 else float("inf"),
+        }
+        _LOGGER.debug("segment %d: %s", index, ", ".join(f"{k}={v:.3g}" for k, v in timings.items()))
+        return AudioChunk(
+            samples=np.ascontiguousarray(samples, dtype=np.float32),
+            sample_rate=config.sample_rate,
+            index=index,
+            is_last=is_last,
+            timings=timings,
+            text=segment.text,
+        )
+
+
+def _make_normalizer(engine: str | None, tokenizer: QwenTextTokenizer) -> TextNormalizer:
+    """The engine's default normaliser; with no choice made, wetext when installed, else rules only."""
+    if engine is not None:
+        return TextNormalizer(engine, count_tokens=tokenizer.count_tokens)
+    try:
+        return TextNormalizer("wetext", count_tokens=tokenizer.count_tokens)
+    except MissingDependencyError as exc:
+        _LOGGER.warning("%s Numbers and dates will not be verbalised.", exc)
+        return TextNormalizer("none", count_tokens=tokenizer.count_tokens)
