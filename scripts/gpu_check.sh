@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One run on a machine with an NVIDIA GPU and TensorRT: build TensorRT plans for a tiny and a
+# full-size random-weight test model, check them against the golden tiny set, and time them
+# against ONNX Runtime. Prints a short table at the end.
+#
+#   bash scripts/gpu_check.sh                 # tiny and full
+#   SIZES=tiny bash scripts/gpu_check.sh      # tiny only (a few minutes)
+#   WORK=/data/gpu-check bash scripts/gpu_check.sh   # keep the artefacts somewhere known
+#
+# Needs: pip install -e '.[gpu,cpu,build]' (torch for the export), an NVIDIA driver, ~15 GB disk for full.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SIZES=${SIZES:-"tiny full"}
+WORK=${WORK:-$(mktemp -d -t trt-cosy-gpu-check.XXXXXX)}
+SECONDS_OF_AUDIO=${SECONDS_OF_AUDIO:-10}
+GOLDEN_DIR=tests/data/cosyvoice2-tiny
+LOGS="$WORK/logs"
+mkdir -p "$LOGS"
+RESULTS=()
+
+step() {  # step NAME COMMAND...: run, log to $LOGS/NAME.log, say how long it took; show the log tail on failure
+    local name=$1
+    shift
+    local start=$SECONDS
+    printf '%-44s ' "$name"
+    if "$@" >"$LOGS/$name.log" 2>&1; then
+        echo "ok ($((SECONDS - start)) s)"
+    else
+        local status=$?
+        echo "FAILED (exit $status, $((SECONDS - start)) s); last lines of $LOGS/$name.log:"
+        tail -n 25 "$LOGS/$name.log" | sed 's/^/    /'
+        return "$status"
+    fi
+}
+
+echo "== trt-cosy GPU check: work dir $WORK"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python - <<'PY'
+from trt_cosy.runtime.cuda import gpu_unavailable_reason, device_info
+reason = gpu_unavailable_reason()
+if reason:
+    raise SystemExit(f"cannot run the GPU check: {reason}")
+import tensorrt
+print(f"GPU {device_info()}  TensorRT {tensorrt.__version__}")
+PY
+
+# 1. Golden parity: the golden tiny checkpoint on TensorRT, every stage against the official outputs.
+step golden-build-trt trt-cosy build --model-dir "$GOLDEN_DIR" --out "$WORK/golden/trt" --backend tensorrt --precision fp16
+step golden-verify-trt trt-cosy verify --backend tensorrt --model-dir "$GOLDEN_DIR" \
+    --golden "$GOLDEN_DIR/reference.npz" --engines "$WORK/golden/trt"
+sed 's/^/    /' "$LOGS/golden-verify-trt.log"
+
+# 2. Per size: random-weight release, ORT and TensorRT engines, graph-level timing.
+for size in $SIZES; do
+    release="$WORK/$size/release"
+    step "$size-make-test-model" trt-cosy make-test-model --size "$size" --out "$release" --overwrite
+    step "$size-build-onnxruntime" trt-cosy build --model-dir "$release" --out "$WORK/$size/ort" --backend onnxruntime
+    step "$size-build-tensorrt" trt-cosy build --model-dir "$release" --out "$WORK/$size/trt" --backend tensorrt --precision fp16
+    grep -h "max error vs fp32" "$LOGS/$size-build-tensorrt.log" | sed 's/^/    /' || true
+    step "$size-bench" python bench/gpu_check.py --ort "$WORK/$size/ort" --trt "$WORK/$size/trt" \
+        --seconds "$SECONDS_OF_AUDIO" --label "$size" --json "$WORK/$size/bench.json"
+    RESULTS+=("$size")
+done
+
+# 3. The table.
+echo
+echo "== ${SECONDS_OF_AUDIO} s utterance, graph-level timing (warm; TTFA = first 25-token chunk through every stage)"
+python - "$WORK" "${RESULTS[@]}" <<'PY'
+import json, sys
+from pathlib import Path
+work, sizes = Path(sys.argv[1]), sys.argv[2:]
+print(f"{'model':<6} {'backend':<12} {'TTFA s':>8} {'RTF':>7} {'LLM tok/s':>10} {'dev MB':>8}")
+for size in sizes:
+    for row in json.loads((work / size / "bench.json").read_text()):
+        mem = "-" if row["device_mb"] is None else row["device_mb"]
+        print(f"{size:<6} {row['backend']:<12} {row['ttfa_s']:>8.3f} {row['rtf']:>7.3f} {row['llm_tok_s']:>10.1f} {mem:>8}")
+PY
+echo "== done; logs in $LOGS"

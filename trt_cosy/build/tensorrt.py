@@ -1,0 +1,344 @@
+"""TensorRT engines: strongly typed fp16 graphs, profiles, plans, timing cache and their records.
+
+Two steps, so that a GPU host never needs torch:
+
+1. ``prepare_trt_graphs`` (build time, CPU, no TensorRT): after the fp32 export, writes
+   ``<graph>.fp16.onnx`` (precision fp16; fp32 builds use ``<graph>.onnx`` as it is), ``profiles.json``
+   and ``tensorrt.json`` (precision, checkpoint digest, each graph's ONNX sha256, fp16 report and the
+   fp16-vs-fp32 error measured on ONNX Runtime). This is all ``--onnx-only`` does.
+2. ``build_plans`` (GPU host, TensorRT, no torch, no onnx): parses each graph, adds the profiles,
+   builds a strongly typed network, writes ``plans/<graph>.plan`` atomically with a
+   ``plans/<graph>.json`` record keyed by checkpoint digest + GPU name + compute capability +
+   TensorRT version + precision + profiles + ONNX sha256, and persists ``plans/timing.cache``. A plan
+   whose record does not match the running system is rebuilt; the runtime refuses it
+   (``runtime.trt.plan_mismatch``). The Docker entrypoint runs this step on first start.
+
+The ``plans/`` directory is per GPU and TensorRT version: it is not listed in ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from .. import __version__
+from ..config import ModelConfig
+from ..errors import EngineMismatchError, InputError, TrtCosyError
+from ..runtime.graphs import GRAPHS
+from ..runtime.manifest import file_sha256
+from ..runtime.profiles import (
+    PROFILES_NAME,
+    GraphProfiles,
+    ProfileLimits,
+    default_profiles,
+    read_profiles,
+    write_profiles,
+)
+from ..runtime.trt import (
+    PLANS_DIR,
+    PlanRecord,
+    checkpoint_digest,
+    current_system,
+    load_tensorrt,
+    plan_mismatch,
+    trt_logger,
+)
+
+__all__ = [
+    "TRT_PRECISIONS",
+    "TRT_SUMMARY_NAME",
+    "TIMING_CACHE_NAME",
+    "prepare_trt_graphs",
+    "build_plans",
+    "build_plan",
+    "graph_file",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+TRT_PRECISIONS: Final = ("fp16", "fp32")
+TRT_SUMMARY_NAME: Final = "tensorrt.json"
+TIMING_CACHE_NAME: Final = "timing.cache"
+
+Progress = Callable[[str], None]
+
+
+def graph_file(graph: str, precision: str) -> str:
+    """The ONNX file a plan is built from: ``<graph>.fp16.onnx`` for fp16, the export itself for fp32."""
+    return f"{graph}.fp16.onnx" if precision == "fp16" else f"{graph}.onnx"
+
+
+def prepare_trt_graphs(
+    engines_dir: Path,
+    config: ModelConfig,
+    checkpoint_hashes: Mapping[str, str],
+    precision: str = "fp16",
+    *,
+    limits: ProfileLimits | None = None,
+    measure: bool = True,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Write the TensorRT inputs next to the fp32 ``<graph>.onnx`` files of ``engines_dir``.
+
+    Needs onnx (and onnxruntime when ``measure``), never TensorRT. Returns the ``tensorrt.json``
+    content. ``measure`` compares each fp16 graph with its fp32 export on the export's sample and
+    parity feeds and raises ``TrtCosyError`` on NaN/inf.
+    """
+    if precision not in TRT_PRECISIONS:
+        raise InputError(
+            f"precision {precision!r} is not available for TensorRT; choose {', '.join(TRT_PRECISIONS)}."
+        )
+    engines_dir = Path(engines_dir)
+    emit = _emitter(progress)
+    profiles = default_profiles(config, limits)
+    write_profiles(profiles, engines_dir / PROFILES_NAME)
+    graphs: dict[str, Any] = {}
+    for name in GRAPHS:
+        graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
+    summary = {
+        "trt_cosy_version": __version__,
+        "precision": precision,
+        "checkpoint": checkpoint_digest(checkpoint_hashes),
+        "profiles": PROFILES_NAME,
+        "graphs": graphs,
+    }
+    _write_json_atomic(engines_dir / TRT_SUMMARY_NAME, summary)
+    return summary
+
+
+def _prepare_graph(
+    engines_dir: Path, name: str, config: ModelConfig, precision: str, measure: bool, emit: Progress
+) -> dict[str, Any]:
+    source, target = engines_dir / f"{name}.onnx", engines_dir / graph_file(name, precision)
+    if not source.is_file():
+        raise EngineMismatchError(f"{source} is missing: export the fp32 graphs first (`trt-cosy build`).")
+    entry: dict[str, Any] = {"onnx": target.name}
+    if precision == "fp16":
+        from .precision import compare_fp16, to_fp16_graph  # onnx: build time only
+
+        report = to_fp16_graph(source, target, graph=name)
+        entry["fp16"] = report.summary()
+        if measure:
+            from .export import graph_export_plan
+
+            plan = graph_export_plan(name, config)
+            errors = compare_fp16(source, target, [plan.sample, *plan.parity])
+            entry["fp16_vs_fp32_max_error"] = errors
+            emit(
+                f"{name}: fp16 graph ({report.summary()}); max error vs fp32 "
+                + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+            )
+        else:
+            emit(f"{name}: fp16 graph ({report.summary()})")
+    entry["onnx_sha256"] = file_sha256(target)
+    return entry
+
+
+def build_plans(
+    engines_dir: Path,
+    *,
+    force: bool = False,
+    timing_cache: Path | None = None,
+    workspace_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> dict[str, PlanRecord]:
+    """Build (or keep, when current) ``plans/<graph>.plan`` for every graph of a prepared engines dir.
+
+    Needs an NVIDIA GPU, tensorrt and cuda-python; not torch or onnx. Without them raises
+    ``MissingDependencyError`` saying that plans need TensorRT. ``timing_cache`` defaults to
+    ``plans/timing.cache`` and is loaded before and saved after every plan.
+    """
+    engines_dir = Path(engines_dir)
+    emit = _emitter(progress)
+    summary = _read_summary(engines_dir)
+    profiles = read_profiles(engines_dir / summary["profiles"])
+    trt = load_tensorrt()
+    system = current_system(trt)
+    plans_dir = engines_dir / PLANS_DIR
+    plans_dir.mkdir(exist_ok=True)
+    cache_path = Path(timing_cache) if timing_cache else plans_dir / TIMING_CACHE_NAME
+    records = {}
+    for name, entry in summary["graphs"].items():
+        record = PlanRecord(
+            graph=name,
+            onnx=entry["onnx"],
+            onnx_sha256=entry["onnx_sha256"],
+            precision=summary["precision"],
+            checkpoint=summary["checkpoint"],
+            profiles=profiles[name].to_dict(),
+            plan=f"{name}.plan",
+            system=system,
+            trt_cosy_version=__version__,
+        )
+        old = _read_record(plans_dir / f"{name}.json")
+        reason = "forced" if force else _stale_reason(old, record, plans_dir)
+        if reason is None:
+            emit(f"{name}: plan is current for {system['gpu']} / TensorRT {system['tensorrt']}; kept")
+        else:
+            emit(f"{name}: building TensorRT plan ({reason})")
+            build_plan(
+                engines_dir / record.onnx,
+                plans_dir / record.plan,
+                profiles[name],
+                cache_path,
+                workspace_bytes=workspace_bytes,
+                trt=trt,
+                progress=emit,
+            )
+            _write_json_atomic(plans_dir / f"{name}.json", record.to_dict())
+        records[name] = record
+    return records
+
+
+def _stale_reason(old: PlanRecord | None, new: PlanRecord, plans_dir: Path) -> str | None:
+    if old is None:
+        return "no plan yet"
+    if not (plans_dir / (old.plan or "")).is_file():
+        return "plan file missing"
+    return plan_mismatch(
+        old,
+        new.system or {},
+        checkpoint=new.checkpoint,
+        precision=new.precision,
+        profiles=new.profiles,
+        onnx_sha256=new.onnx_sha256,
+    )
+
+
+def build_plan(
+    onnx_path: Path,
+    plan_path: Path,
+    profiles: GraphProfiles,
+    timing_cache: Path | None = None,
+    *,
+    workspace_bytes: int | None = None,
+    trt: Any = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Parse ``onnx_path`` into a strongly typed network, add ``profiles``, build, write ``plan_path`` atomically.
+
+    Parser errors are raised (``TrtCosyError`` listing each), never printed and dropped. The timing
+    cache is read from and written back to ``timing_cache`` when given.
+    """
+    trt = trt or load_tensorrt()
+    emit = _emitter(progress)
+    start = time.perf_counter()
+    logger = trt_logger(trt)
+    builder = trt.Builder(logger)
+    network = builder.create_network(_strongly_typed_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise TrtCosyError(
+            f"TensorRT could not parse {onnx_path}: " + "; ".join(errors or ["no parser message"])
+        )
+    config = builder.create_builder_config()
+    if workspace_bytes:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
+    cache = _load_timing_cache(config, timing_cache)
+    for profile in profiles.profiles:
+        config.add_optimization_profile(profile.to_trt(builder))
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise TrtCosyError(
+            f"TensorRT failed to build a plan from {onnx_path} (see the TensorRT errors logged above)."
+        )
+    _write_bytes_atomic(Path(plan_path), memoryview(serialized))
+    if timing_cache is not None and cache is not None:
+        _write_bytes_atomic(Path(timing_cache), memoryview(config.get_timing_cache().serialize()))
+    emit(f"{Path(plan_path).name}: built in {time.perf_counter() - start:.0f} s")
+    return Path(plan_path)
+
+
+def _strongly_typed_flags(trt: Any) -> int:
+    # TensorRT 10.12+ opts in with this flag; 11.x is always strongly typed and ignores it.
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return 0 if flag is None else 1 << int(flag)
+
+
+def _load_timing_cache(config: Any, path: Path | None) -> Any:
+    data = Path(path).read_bytes() if path is not None and Path(path).is_file() else b""
+    cache = config.create_timing_cache(data)
+    if cache is None or not config.set_timing_cache(cache, False):
+        _LOGGER.warning("timing cache %s does not fit this TensorRT/GPU; starting an empty one", path)
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, False)
+    return cache
+
+
+def _read_summary(engines_dir: Path) -> dict[str, Any]:
+    path = engines_dir / TRT_SUMMARY_NAME
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        summary["graphs"], summary["precision"], summary["checkpoint"]  # noqa: B018 - presence check
+        return summary
+    except (OSError, ValueError, KeyError) as exc:
+        raise EngineMismatchError(
+            f"{engines_dir} has no usable {TRT_SUMMARY_NAME} ({exc!r}): it was not built for TensorRT. Run "
+            f"`trt-cosy build --backend tensorrt --model-dir DIR --out {engines_dir}`."
+        ) from exc
+
+
+def _read_record(path: Path) -> PlanRecord | None:
+    try:
+        return PlanRecord.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
+    """Write to a temporary file in the same directory, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.chmod(temp, 0o644)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def _write_json_atomic(path: Path, value: Mapping[str, Any]) -> None:
+    _write_bytes_atomic(path, (json.dumps(value, indent=1) + "\n").encode("utf-8"))
+
+
+def _emitter(progress: Progress | None) -> Progress:
+    def emit(message: str) -> None:
+        _LOGGER.info("%s", message)
+        if progress is not None:
+            progress(message)
+
+    return emit
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trt_cosy.build.tensorrt ENGINES_DIR [--force]``: build missing or stale plans
+    (no torch needed; the Docker entrypoint runs this on every start)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("engines_dir", type=Path)
+    parser.add_argument("--force", action="store_true", help="rebuild every plan")
+    parser.add_argument("--workspace-mb", type=int, default=None, help="TensorRT workspace limit")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    workspace = args.workspace_mb * 2**20 if args.workspace_mb else None
+    try:
+        build_plans(args.engines_dir, force=args.force, workspace_bytes=workspace, progress=print)
+    except TrtCosyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

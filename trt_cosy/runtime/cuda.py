@@ -1,0 +1,286 @@
+"""Small cuda-python helpers: error mapping, device and pinned buffers, streams, events.
+
+cuda-python (``cuda.bindings.runtime``, NVIDIA's maintained bindings) is imported on first use,
+so importing this module never needs it. Every call goes through ``cuda_call``, which turns
+cuda-python's ``(err, *result)`` tuples into a ``CudaError`` naming the error
+(``cudaErrorMemoryAllocation``...). Every resource has ``free()`` and a context manager;
+``__del__`` is a last resort that logs and never raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import MissingDependencyError, TrtCosyError
+
+__all__ = [
+    "CudaError",
+    "bindings",
+    "cuda_call",
+    "device_count",
+    "gpu_unavailable_reason",
+    "device_info",
+    "memory_info",
+    "DeviceBuffer",
+    "PinnedBuffer",
+    "Stream",
+    "Event",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+_BINDINGS: Any = None  # the cuda.bindings.runtime module once imported (tests install a fake here)
+_ALIGN: Final = (
+    256  # TensorRT wants 256-byte aligned I/O; cudaMalloc already gives that, sizes are rounded too
+)
+
+
+class CudaError(TrtCosyError):
+    """A CUDA runtime call failed; ``code`` and ``name`` identify the error."""
+
+    def __init__(self, message: str, code: int, name: str):
+        super().__init__(message)
+        self.code, self.name = code, name
+
+
+def bindings() -> Any:
+    """The ``cuda.bindings.runtime`` module (imported on first use)."""
+    global _BINDINGS
+    if _BINDINGS is None:
+        try:
+            from cuda.bindings import runtime
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"cuda-python is not installed ({exc}). Install it with: pip install 'trt-cosy[gpu]' "
+                "(on a machine with an NVIDIA GPU)."
+            ) from exc
+        _BINDINGS = runtime
+    return _BINDINGS
+
+
+def _error_name(code: Any) -> tuple[str, str]:
+    runtime = bindings()
+    try:
+        name = runtime.cudaGetErrorName(code)[1]
+        text = runtime.cudaGetErrorString(code)[1]
+    except Exception:  # a broken driver must not hide the original error
+        return f"cudaError {int(code)}", ""
+    decode = lambda value: value.decode() if isinstance(value, bytes) else str(value)  # noqa: E731
+    return decode(name), decode(text)
+
+
+def cuda_call(result: Any) -> Any:
+    """Check a cuda-python result ``(err, *values)``: raise ``CudaError`` on failure, else return the
+    values (None for none, the value for one, a tuple for several)."""
+    if isinstance(result, tuple):
+        err, values = result[0], result[1:]
+    else:
+        err, values = result, ()
+    code = int(err)
+    if code != 0:
+        name, text = _error_name(err)
+        raise CudaError(f"CUDA call failed: {name} ({code}){': ' + text if text else ''}", code, name)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def device_count() -> int:
+    """Number of visible CUDA devices; 0 when the driver or cuda-python is missing (never raises)."""
+    try:
+        runtime = bindings()
+        err, count = runtime.cudaGetDeviceCount()
+    except Exception:  # MissingDependencyError, or a broken install
+        return 0
+    return int(count) if int(err) == 0 else 0
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why TensorRT cannot run here (no tensorrt/cuda-python, no device), or None when it can.
+
+    Checks the device count before anything touches TensorRT: creating a TensorRT runtime without a
+    GPU crashes the process (docs/environment-notes.md).
+    """
+    try:
+        runtime = bindings()
+    except MissingDependencyError as exc:
+        return str(exc)
+    err, count = runtime.cudaGetDeviceCount()
+    if int(err) != 0 or not count:
+        name, _ = _error_name(err) if int(err) != 0 else ("no device", "")
+        return f"no CUDA device ({name})"
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError as exc:
+        return f"tensorrt is not installed ({exc}); pip install 'trt-cosy[gpu]'"
+    return None
+
+
+def device_info(device: int = 0) -> dict[str, Any]:
+    """GPU name and compute capability of ``device`` (what an engine plan is tied to)."""
+    prop = cuda_call(bindings().cudaGetDeviceProperties(device))
+    name = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
+    return {
+        "name": name.rstrip("\x00").strip(),
+        "compute_capability": f"{prop.major}.{prop.minor}",
+        "total_memory": int(prop.totalGlobalMem),
+    }
+
+
+def memory_info() -> tuple[int, int]:
+    """(free, total) device memory in bytes."""
+    free, total = cuda_call(bindings().cudaMemGetInfo())
+    return int(free), int(total)
+
+
+def _aligned(nbytes: int) -> int:
+    return max(_ALIGN, (int(nbytes) + _ALIGN - 1) // _ALIGN * _ALIGN)
+
+
+class _Resource:
+    """free() + context manager + a __del__ that logs instead of raising."""
+
+    def free(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception as exc:  # interpreter shutdown, driver gone: log, never raise from __del__
+            _LOGGER.debug("%s not freed cleanly: %r", type(self).__name__, exc)
+
+
+class DeviceBuffer(_Resource):
+    """Device memory that only grows: ``resize`` reallocates only when asked for more bytes."""
+
+    def __init__(self, nbytes: int = 0):
+        self.ptr, self.nbytes = 0, 0
+        if nbytes:
+            self.resize(nbytes)
+
+    def resize(self, nbytes: int) -> bool:
+        """Make room for ``nbytes``; True when it reallocated (old contents are lost then)."""
+        if nbytes <= self.nbytes and self.ptr:
+            return False
+        size = _aligned(nbytes)
+        self.free()
+        self.ptr = int(cuda_call(bindings().cudaMalloc(size)))
+        self.nbytes = size
+        return True
+
+    def free(self) -> None:
+        if self.ptr:
+            ptr, self.ptr, self.nbytes = self.ptr, 0, 0
+            cuda_call(bindings().cudaFree(ptr))
+
+    def copy_from_async(self, host: PinnedBuffer, nbytes: int, stream: Stream) -> None:
+        kind = bindings().cudaMemcpyKind.cudaMemcpyHostToDevice
+        cuda_call(bindings().cudaMemcpyAsync(self.ptr, host.ptr, int(nbytes), kind, stream.handle))
+
+    def copy_to_async(self, host: PinnedBuffer, nbytes: int, stream: Stream) -> None:
+        kind = bindings().cudaMemcpyKind.cudaMemcpyDeviceToHost
+        cuda_call(bindings().cudaMemcpyAsync(host.ptr, self.ptr, int(nbytes), kind, stream.handle))
+
+
+class PinnedBuffer(_Resource):
+    """Page-locked host memory (fast, truly asynchronous copies) with numpy views."""
+
+    def __init__(self, nbytes: int = 0):
+        self.ptr, self.nbytes = 0, 0
+        if nbytes:
+            self.resize(nbytes)
+
+    def resize(self, nbytes: int) -> bool:
+        if nbytes <= self.nbytes and self.ptr:
+            return False
+        size = _aligned(nbytes)
+        self.free()
+        self.ptr = int(cuda_call(bindings().cudaMallocHost(size)))
+        self.nbytes = size
+        return True
+
+    def view(self, dtype: np.dtype | str, shape: tuple[int, ...]) -> np.ndarray:
+        """A numpy array over the first bytes of the buffer (valid until the next growing resize)."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        if count * dtype.itemsize > self.nbytes:
+            raise ValueError(
+                f"{shape} {dtype} needs {count * dtype.itemsize} bytes; the buffer has {self.nbytes}"
+            )
+        raw = (ctypes.c_byte * self.nbytes).from_address(self.ptr)
+        return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+
+    def free(self) -> None:
+        if self.ptr:
+            ptr, self.ptr, self.nbytes = self.ptr, 0, 0
+            cuda_call(bindings().cudaFreeHost(ptr))
+
+
+class Stream(_Resource):
+    """A non-blocking CUDA stream (it does not synchronise with the legacy default stream)."""
+
+    def __init__(self) -> None:
+        runtime = bindings()
+        self.handle: Any = cuda_call(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking))
+
+    @property
+    def ptr(self) -> int:
+        """The stream as an integer, as TensorRT's ``execute_async_v3(stream_handle)`` takes it."""
+        return int(self.handle) if self.handle is not None else 0
+
+    def synchronize(self) -> None:
+        cuda_call(bindings().cudaStreamSynchronize(self.handle))
+
+    def wait(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event`` (no host synchronisation)."""
+        cuda_call(bindings().cudaStreamWaitEvent(self.handle, event.handle, 0))
+
+    def free(self) -> None:
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            cuda_call(bindings().cudaStreamDestroy(handle))
+
+
+class Event(_Resource):
+    """A CUDA event: ``record`` on one stage's stream, ``Stream.wait`` on the next's."""
+
+    def __init__(self, timing: bool = False):
+        runtime = bindings()
+        flags = runtime.cudaEventDefault if timing else runtime.cudaEventDisableTiming
+        self.handle: Any = cuda_call(runtime.cudaEventCreateWithFlags(flags))
+
+    def record(self, stream: Stream) -> Event:
+        cuda_call(bindings().cudaEventRecord(self.handle, stream.handle))
+        return self
+
+    def synchronize(self) -> None:
+        cuda_call(bindings().cudaEventSynchronize(self.handle))
+
+    def done(self) -> bool:
+        """True when the work before the recorded point has finished (never blocks)."""
+        runtime = bindings()
+        err = runtime.cudaEventQuery(self.handle)
+        err = err[0] if isinstance(err, tuple) else err
+        if int(err) == int(runtime.cudaError_t.cudaErrorNotReady):
+            return False
+        cuda_call(err)
+        return True
+
+    def elapsed_ms(self, start: Event) -> float:
+        """Milliseconds from ``start`` to this event (both created with ``timing=True``)."""
+        return float(cuda_call(bindings().cudaEventElapsedTime(start.handle, self.handle)))
+
+    def free(self) -> None:
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            cuda_call(bindings().cudaEventDestroy(handle))
