@@ -1,0 +1,169 @@
+"""The FastAPI app: ``create_app(tts, settings)`` wires routes, limits, errors, metrics and warm-up.
+
+    app = create_app(CosyVoice.load(engines), ServerSettings(voices_dir="voices"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: ``POST /v1/audio/speech`` (OpenAI), ``POST /tts``, ``GET /v1/models``,
+``GET/POST/DELETE /v1/voices``, ``GET /health``, ``GET /metrics``. Every error is a JSON body
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..errors import InputError
+from .audio_encoding import available_formats
+from .errors import APIError, error_body, validation_message
+from .limits import Admission, BodySizeLimit
+from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware, path_label
+from .settings import ServerSettings
+from .speech import speech_router
+from .state import ServerState
+from .voices_api import voices_router
+from .voices_store import VoiceStore
+
+__all__ = ["create_app", "warm_up"]
+
+_LOGGER = logging.getLogger(__name__)
+
+_WARMUP_TEXT: Final = "Hello."
+_WARMUP_RATE: Final = 16000
+_UPLOAD_SLACK: Final = 64 * 1024  # multipart framing and the form fields around the file
+
+
+def warm_up(tts: Any) -> None:
+    """Run every graph once: a voice from a synthetic 2 s recording, then one short sentence."""
+    rng = np.random.default_rng(0)
+    time_axis = np.arange(2 * _WARMUP_RATE) / _WARMUP_RATE  # time_axis: [N]
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3 * time_axis)  # syllable-like loudness
+    signal = (
+        0.2 * envelope * (np.sin(2 * np.pi * 180 * time_axis) + 0.3 * rng.standard_normal(time_axis.size))
+    )
+    import soundfile
+
+    with tempfile.TemporaryDirectory(prefix="trt-cosy-warmup-") as folder:
+        path = Path(folder) / "warmup.wav"
+        soundfile.write(path, signal.astype(np.float32), _WARMUP_RATE)
+        voice = tts.voice_from_wav(path, None)
+    for _ in tts.synthesize(_WARMUP_TEXT, voice, 0):
+        pass
+
+
+def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
+    """The server app for a loaded engine (``CosyVoice``); voices are read from ``settings.voices_dir``."""
+    metrics = Metrics()
+    state = ServerState(
+        tts=tts,
+        settings=settings,
+        store=VoiceStore(settings.voices_dir, getattr(tts, "model_id", "")),
+        metrics=metrics,
+        admission=Admission(settings.max_concurrent, settings.max_queue, metrics),
+        formats=available_formats(),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await anyio.to_thread.run_sync(state.store.load)
+        async with anyio.create_task_group() as group:
+            group.start_soon(_warm_up, state)
+            yield
+            group.cancel_scope.cancel()
+
+    app = FastAPI(title="trt-cosy", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    _add_error_handlers(app, metrics)
+    app.include_router(speech_router(state))
+    app.include_router(voices_router(state))
+    _add_info_routes(app, state)
+    upload_limit = settings.max_upload_bytes + _UPLOAD_SLACK
+
+    def limit_for(path: str) -> int:
+        return upload_limit if path.startswith("/v1/voices") else settings.max_json_bytes
+
+    def refused(path: str) -> None:
+        metrics.errors.inc(path_label(path), "body_too_large")
+
+    app.add_middleware(BodySizeLimit, limit_for=limit_for, on_refused=refused)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app
+
+
+async def _warm_up(state: ServerState) -> None:
+    if state.settings.warmup:
+        try:
+            await anyio.to_thread.run_sync(warm_up, state.tts)
+        except Exception as exc:
+            state.warmup_error = f"{type(exc).__name__}: {exc}"
+            _LOGGER.exception("warm-up failed; the server stays unready")
+            return
+    state.set_ready()
+    _LOGGER.info("ready: %d voice(s), formats %s", len(state.store.list()), ", ".join(state.formats))
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 once warm-up has finished; 503 while warming up or after a failed warm-up."""
+        if state.ready:
+            return JSONResponse(
+                {"status": "ok", "model": state.settings.model_name, "voices": len(state.store.list())}
+            )
+        status = "failed" if state.warmup_error else "warming_up"
+        message = state.warmup_error or "warming up"
+        return JSONResponse({"status": status, **error_body(503, message, status)}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        entry = {"id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "trt-cosy"}
+        return {"object": "list", "data": [entry]}
+
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    def answer(
+        request: Request, status: int, message: str, code: str, param: str | None = None
+    ) -> JSONResponse:
+        metrics.errors.inc(path_label(request.url.path), code)
+        return JSONResponse(error_body(status, message, code, param), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(InputError)
+    async def input_error(request: Request, exc: InputError) -> JSONResponse:
+        return answer(request, 400, str(exc), "invalid_input")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return answer(request, 400, message, "invalid_request", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}; see GET /docs for the routes."
+        return answer(request, exc.status_code, message, codes.get(exc.status_code, "http_error"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        _LOGGER.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return answer(request, 500, "internal server error; see the server log.", "internal_error")

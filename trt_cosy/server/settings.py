@@ -1,0 +1,66 @@
+"""Server settings: one frozen dataclass, every limit in one place (``None`` never means unlimited)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from ..errors import InputError
+
+__all__ = ["ServerSettings", "LOOPBACK_HOSTS"]
+
+LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What ``create_app`` and ``trt-cosy serve`` need besides the loaded engine."""
+
+    voices_dir: Path
+    """Folder of the stored voices (``<name>.npz``); created when missing."""
+    host: str = "127.0.0.1"
+    """Address to bind; loopback by default (the server has no authentication)."""
+    port: int = 8000
+    """TCP port, 0-65535 (0: any free port)."""
+    model_name: str = "cosyvoice2"
+    """The id listed by ``GET /v1/models``. Requests may name any model: one is served."""
+    max_input_chars: int = 4096
+    """Longest ``input`` text accepted, in characters (OpenAI's limit)."""
+    max_concurrent: int = 1
+    """Syntheses (and voice uploads) running at once, >= 1."""
+    max_queue: int = 8
+    """Requests allowed to wait for a free slot; one more is answered 429, >= 0."""
+    request_timeout_s: float = 300.0
+    """A request still queued or synthesising after this many seconds stops (503/504, or the stream ends)."""
+    max_upload_bytes: int = 10 * 1024 * 1024
+    """Largest reference-audio upload, bytes (413 beyond)."""
+    max_upload_seconds: float = 30.0
+    """Longest reference audio accepted, seconds (the speech tokenizer's limit is 30)."""
+    max_json_bytes: int = 256 * 1024
+    """Largest JSON request body, bytes (413 beyond)."""
+    warmup: bool = True
+    """Synthesise once at start; ``/health`` says ready only after it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "voices_dir", Path(self.voices_dir))
+        positive = ("max_input_chars", "max_concurrent", "max_upload_bytes", "max_json_bytes")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise InputError(f"max_queue must be a non-negative integer, got {self.max_queue!r}.")
+        for name in ("request_timeout_s", "max_upload_seconds"):
+            if not getattr(self, name) > 0:
+                raise InputError(f"{name} must be positive, got {getattr(self, name)!r}.")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InputError(f"port must be 0-65535, got {self.port!r}.")
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.host in LOOPBACK_HOSTS or self.host.startswith("127.")
+
+    def replace(self, **changes) -> ServerSettings:
+        return dataclasses.replace(self, **changes)

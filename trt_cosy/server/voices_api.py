@@ -1,0 +1,125 @@
+"""``GET/POST/DELETE /v1/voices``: upload a reference recording once, speak in it by name."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, File, Form, UploadFile
+from fastapi.responses import JSONResponse
+
+from ..errors import InputError
+from .errors import APIError
+from .state import ServerState
+from .voices_store import check_name
+
+__all__ = ["voices_router"]
+
+_LOGGER = logging.getLogger(__name__)
+
+_COPY_BLOCK = 1 << 16
+
+
+def _audio_seconds(path: Path) -> float:
+    """The duration of an uploaded file; 400 when it is not audio libsndfile can read."""
+    import soundfile
+
+    try:
+        info = soundfile.info(str(path))
+    except Exception as exc:  # libsndfile raises several types for garbage
+        raise APIError(
+            400,
+            f"the uploaded file is not audio that can be read ({type(exc).__name__}); send a wav, flac "
+            "or ogg recording of 3-10 s of speech.",
+            "invalid_audio",
+            "file",
+        ) from None
+    if info.samplerate <= 0 or info.frames <= 0:
+        raise APIError(400, "the uploaded audio has no samples.", "invalid_audio", "file")
+    return info.frames / info.samplerate
+
+
+async def _save_upload(upload: UploadFile, limit: int) -> Path:
+    """Copy the upload to a private temp file, refusing more than ``limit`` bytes (413)."""
+    handle, name = tempfile.mkstemp(prefix="trt-cosy-upload-", suffix=Path(upload.filename or "").suffix[:8])
+    size = 0
+    try:
+        with os.fdopen(handle, "wb") as sink:
+            while block := await upload.read(_COPY_BLOCK):
+                size += len(block)
+                if size > limit:
+                    raise APIError(
+                        413,
+                        f"the audio file is larger than {limit} bytes; send 3-10 s of speech.",
+                        "file_too_large",
+                        "file",
+                    )
+                sink.write(block)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    return Path(name)
+
+
+def voices_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/voices")
+    async def list_voices() -> dict:
+        return {"object": "list", "data": [stored.describe() for stored in state.store.list()]}
+
+    @router.get("/v1/voices/{name}")
+    async def get_voice(name: str) -> dict:
+        return state.store.get(check_name(name)).describe()
+
+    @router.post("/v1/voices", status_code=201)
+    async def create_voice(
+        file: Annotated[UploadFile, File(description="Reference recording (wav/flac/ogg, 1-30 s).")],
+        name: Annotated[str, Form(description="Name to store the voice under.")],
+        text: Annotated[
+            str | None, Form(description="Its transcript (zero-shot); none: cross-lingual.")
+        ] = None,
+        overwrite: bool = False,
+    ) -> JSONResponse:
+        state.require_ready()
+        settings = state.settings
+        state.store.check_free(name, overwrite)
+        if text is not None and len(text) > settings.max_input_chars:
+            raise APIError(
+                400, f"text is longer than {settings.max_input_chars} characters.", "text_too_long", "text"
+            )
+        path = await _save_upload(file, settings.max_upload_bytes)
+        try:
+            seconds = await anyio.to_thread.run_sync(_audio_seconds, path)
+            if seconds > settings.max_upload_seconds:
+                raise APIError(
+                    400,
+                    f"the recording is {seconds:.1f} s long; at most {settings.max_upload_seconds:g} s is accepted. "
+                    "Trim it to 3-10 s of clear speech.",
+                    "audio_too_long",
+                    "file",
+                )
+            slot = await state.admission.acquire(settings.request_timeout_s)
+            try:
+                voice = await anyio.to_thread.run_sync(state.tts.voice_from_wav, path, text)
+            except InputError as exc:  # too short, silent...: say so without the temp file's path
+                raise APIError(
+                    400, str(exc).replace(str(path), "the uploaded file"), "invalid_audio", "file"
+                ) from None
+            finally:
+                slot.release()
+        finally:
+            path.unlink(missing_ok=True)
+        stored = await anyio.to_thread.run_sync(state.store.add, name, voice, overwrite)
+        return JSONResponse(stored.describe(), status_code=201)
+
+    @router.delete("/v1/voices/{name}")
+    async def delete_voice(name: str) -> dict:
+        await anyio.to_thread.run_sync(state.store.delete, name)
+        return {"id": name, "object": "voice", "deleted": True}
+
+    return router
