@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trt_cosy.config import ModelConfig
+from trt_cosy.config import ModelConfig, release_family
+from trt_cosy.config_v1 import V1ModelConfig
+from trt_cosy.config_v3 import V3ModelConfig
 from trt_cosy.errors import ModelDirError
 from trt_cosy.hyperyaml import Tagged, load_hyperyaml
 
@@ -62,13 +64,41 @@ def test_bad_ref_names_file(tmp_path: Path) -> None:
 def test_missing_dir_and_yaml(tmp_path: Path) -> None:
     with pytest.raises(ModelDirError, match="does not exist"):
         ModelConfig.from_release_dir(tmp_path / "nope")
-    with pytest.raises(ModelDirError, match="cosyvoice2.yaml"):
+    with pytest.raises(ModelDirError, match="cosyvoice2.yaml") as info:
         ModelConfig.from_release_dir(tmp_path)
+    assert "cosyvoice.yaml" in str(info.value) and "cosyvoice3.yaml" in str(info.value)
 
 
-def test_other_family_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "family", "kind", "sample_rate"),
+    [
+        ("cosyvoice1-tiny", "v1", V1ModelConfig, 22050),
+        ("cosyvoice2-tiny", "v2", ModelConfig, 24000),
+        ("cosyvoice3-tiny", "v3", V3ModelConfig, 24000),
+    ],
+)
+def test_dispatches_by_yaml(name: str, family: str, kind: type, sample_rate: int) -> None:
+    model_dir = Path(__file__).parent / "data" / name
+    assert release_family(model_dir) == family
+    config = ModelConfig.from_release_dir(model_dir)
+    assert type(config) is kind and config.family == family and config.sample_rate == sample_rate
+    assert json.loads(json.dumps(config.to_dict()))["family"] == family
+
+
+def test_yaml_order_is_the_official_one(tmp_path: Path, v2_tiny_dir: Path) -> None:
+    """AutoModel checks cosyvoice.yaml, then cosyvoice2.yaml, then cosyvoice3.yaml."""
+    for name in ("cosyvoice3.yaml", "cosyvoice2.yaml", "cosyvoice.yaml"):
+        (tmp_path / name).write_text("sample_rate: 1\n", encoding="utf-8")
+        assert release_family(tmp_path) == {"cosyvoice3.yaml": "v3", "cosyvoice2.yaml": "v2"}.get(name, "v1")
+
+
+def test_other_family_yaml_is_read_and_checked(tmp_path: Path) -> None:
     (tmp_path / "cosyvoice.yaml").write_text("sample_rate: 22050\n", encoding="utf-8")
-    with pytest.raises(ModelDirError, match="cosyvoice.yaml"):
+    with pytest.raises(ModelDirError, match="cosyvoice.yaml.*TransformerLM"):
+        ModelConfig.from_release_dir(tmp_path)
+    (tmp_path / "cosyvoice.yaml").unlink()
+    (tmp_path / "cosyvoice3.yaml").write_text("sample_rate: 24000\n", encoding="utf-8")
+    with pytest.raises(ModelDirError, match="config.json is missing"):
         ModelConfig.from_release_dir(tmp_path)
 
 
@@ -90,6 +120,8 @@ def test_wrong_class_is_reported(tmp_path: Path, v2_tiny_dir: Path) -> None:
     model = tmp_path / "m"
     shutil.copytree(v2_tiny_dir, model, ignore=shutil.ignore_patterns("*.pt", "*.npz", "*.safetensors"))
     text = (model / "cosyvoice2.yaml").read_text(encoding="utf-8")
-    (model / "cosyvoice2.yaml").write_text(text.replace("llm.llm.Qwen2LM", "llm.llm.TransformerLM"), encoding="utf-8")
+    (model / "cosyvoice2.yaml").write_text(
+        text.replace("llm.llm.Qwen2LM", "llm.llm.TransformerLM"), encoding="utf-8"
+    )
     with pytest.raises(ModelDirError, match="Qwen2LM"):
         ModelConfig.from_release_dir(model)

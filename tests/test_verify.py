@@ -1,7 +1,9 @@
-"""`trt-cosy verify --backend torch` on the golden tiny CosyVoice2 set."""
+"""`trt-cosy verify --backend torch` on the golden tiny sets of CosyVoice 1, 2 and 3."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -9,73 +11,152 @@ import pytest
 from click.testing import CliRunner
 
 from trt_cosy.cli import main
-from trt_cosy.verify import format_table, run_verify
+from trt_cosy.errors import InputError
+from trt_cosy.verify import compare_outputs, compute_outputs, format_table, load_backend
 from trt_cosy.verify.golden import GoldenSet
 
 pytest.importorskip("torch", reason="the torch reference backend needs the [build] extra")
 
+DATA = Path(__file__).parent / "data"
+DIRS = {"v1": DATA / "cosyvoice1-tiny", "v2": DATA / "cosyvoice2-tiny", "v3": DATA / "cosyvoice3-tiny"}
+# Compared keys per golden set: all ok but llm_sampled_tokens (informational).
+EXPECTED_OK = {"v1": 65, "v2": 60, "v3": 49}
+# Keys that must be among the compared ones (one of each kind per family).
+MUST_COMPARE = {
+    "v1": (
+        "llm_tf_lm_input",
+        "llm_tf_cached_hidden",
+        "sft_llm_greedy_tokens",
+        "stream_c1_flow_cache_in",
+        "stream_c2_mel_overlap_in",
+        "stream_c1_hift_speech_cache_in",
+        "stream_c2_hift_wav",
+        "sft_wav",
+        "hift_synth_source",
+    ),
+    "v2": (
+        "llm_tf_logits",
+        "llm_tf_cached_logp",
+        "llm_greedy_tokens",
+        "nonstream_c0_flow_mu",
+        "nonstream_c0_flow_mel",
+        "hift_synth_f0",
+        "hift_synth_source",
+        "hift_synth_wav",
+        "stream_c2_out_speech",
+        "streampad_wav",
+    ),
+    "v3": (
+        "llm_tf_logits",
+        "llm_tf_cached_hidden",
+        "llm_greedy_logits",
+        "stream_c1_flow_h",
+        "streampad_c1_hift_mel",
+        "nonstream_c0_hift_source",
+        "stream_c2_hift_wav",
+        "streampad_wav",
+    ),
+}
+# An output-only key (never fed back as an input), its tolerance, and a greedy token key per family.
+PERTURBED = {
+    "v1": ("stream_c1_flow_mel", 2e-4, "sft_llm_greedy_tokens"),
+    "v2": ("nonstream_c0_flow_mel", 2e-4, "llm_greedy_tokens"),
+    "v3": ("streampad_c1_flow_mel", 2e-4, "llm_greedy_tokens"),
+}
+
+Verified = tuple[GoldenSet, dict, dict]
+
 
 @pytest.fixture(scope="module")
-def torch_model(v2_tiny_dir: Path):
+def verified() -> Callable[[str], Verified]:
+    """Per family, computed once: (golden set, our outputs, skipped keys)."""
     from trt_cosy.build.reference import load_torch_model
 
-    return load_torch_model(v2_tiny_dir)
+    cache: dict[str, Verified] = {}
+
+    def get(family: str) -> Verified:
+        if family not in cache:
+            model = load_torch_model(DIRS[family], threads=1, hift_noise_seconds=4)
+            golden = GoldenSet.load(DIRS[family] / "reference.npz")
+            ours, skipped = compute_outputs(model, golden)
+            cache[family] = (golden, ours, skipped)
+        return cache[family]
+
+    return get
 
 
-@pytest.fixture(scope="module")
-def golden(v2_tiny_dir: Path) -> GoldenSet:
-    return GoldenSet.load(v2_tiny_dir / "reference.npz")
-
-
-def test_every_compared_key_is_ok(torch_model, golden: GoldenSet) -> None:
-    rows = run_verify(torch_model, golden)
-    by_status = {row.key: row for row in rows}
+@pytest.mark.parametrize("family", ["v1", "v2", "v3"])
+def test_every_compared_key_is_ok(verified, family: str) -> None:
+    golden, ours, skipped = verified(family)
+    rows = compare_outputs(ours, skipped, golden)
     failed = [row for row in rows if row.status == "FAIL"]
     assert not failed, format_table(failed)
-    skipped = {row.key for row in rows if row.status == "skipped"}
-    assert skipped == {"llm_sampled_tokens"}, skipped
-    # Every non-streaming key of issue 2 and every streaming key is compared.
-    for key in ("llm_tf_logits", "llm_tf_cached_logp", "llm_greedy_tokens", "nonstream_c0_flow_mu",
-                "nonstream_c0_flow_mel", "hift_synth_f0", "hift_synth_source", "hift_synth_wav",
-                "stream_c2_out_speech", "streampad_wav"):
-        assert by_status[key].status == "ok", by_status[key]
+    assert {row.key for row in rows if row.status == "skipped"} == {"llm_sampled_tokens"}
     assert len(rows) == len(golden.compared_keys())
+    by_key = {row.key: row for row in rows}
+    for key in MUST_COMPARE[family]:
+        assert by_key[key].status == "ok", by_key[key]
+    assert f"summary: {EXPECTED_OK[family]} ok, 0 failed, 1 skipped" in format_table(rows)
 
 
-def test_a_perturbed_golden_fails(torch_model, golden: GoldenSet) -> None:
+@pytest.mark.parametrize("family", ["v1", "v2", "v3"])
+def test_a_perturbed_golden_fails(verified, family: str) -> None:
+    golden, ours, skipped = verified(family)
+    mel_key, tolerance, token_key = PERTURBED[family]
     arrays = dict(golden.arrays)
-    arrays["nonstream_c0_flow_mel"] = arrays["nonstream_c0_flow_mel"] + 1e-3  # 5x the tolerance
-    arrays["llm_greedy_tokens"] = arrays["llm_greedy_tokens"].copy()
-    arrays["llm_greedy_tokens"][3] += 1
-    rows = {row.key: row for row in run_verify(torch_model, GoldenSet(arrays, golden.meta, golden.source))}
-    assert rows["nonstream_c0_flow_mel"].status == "FAIL"
-    assert rows["nonstream_c0_flow_mel"].max_abs_err == pytest.approx(1e-3, rel=0.05)
-    assert rows["llm_greedy_tokens"].status == "FAIL"
-    assert rows["nonstream_c0_flow_mu"].status == "ok"
+    arrays[mel_key] = arrays[mel_key] + 5 * tolerance
+    arrays[token_key] = arrays[token_key].copy()
+    arrays[token_key][min(3, arrays[token_key].size - 1)] += 1
+    rows = {
+        row.key: row for row in compare_outputs(ours, skipped, GoldenSet(arrays, golden.meta, golden.source))
+    }
+    assert rows[mel_key].status == "FAIL"
+    assert rows[mel_key].max_abs_err == pytest.approx(5 * tolerance, rel=0.05), rows[mel_key]
+    assert rows[token_key].status == "FAIL"
+    assert rows[mel_key.replace("flow_mel", "flow_mu")].status == "ok"
 
 
-def test_cli_prints_table_and_exit_codes(v2_tiny_dir: Path, tmp_path: Path, golden: GoldenSet) -> None:
-    runner = CliRunner()
-    args = ["verify", "--model-dir", str(v2_tiny_dir), "--backend", "torch"]
-    result = runner.invoke(main, [*args, "--golden", str(v2_tiny_dir / "reference.npz")])
+@pytest.mark.parametrize("family", ["v2", "v3"])
+def test_cli_prints_table(family: str) -> None:
+    args = ["verify", "--model-dir", str(DIRS[family]), "--backend", "torch", "--threads", "1"]
+    result = CliRunner().invoke(main, [*args, "--golden", str(DIRS[family] / "reference.npz")])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].split() == ["key", "max_abs_err", "tolerance", "result"]
-    assert "summary: 60 ok, 0 failed, 1 skipped" in result.output
+    assert f"summary: {EXPECTED_OK[family]} ok, 0 failed, 1 skipped" in result.output
 
+
+def test_cli_exit_code_on_failure(tmp_path: Path) -> None:
+    golden = GoldenSet.load(DIRS["v1"] / "reference.npz")
     broken = dict(golden.arrays)
     broken["hift_synth_wav"] = broken["hift_synth_wav"] * 2.0
     bad_path = tmp_path / "bad.npz"
-    np.savez(bad_path, meta_json=np.array(__import__("json").dumps(golden.meta)), **broken)
-    result = runner.invoke(main, [*args, "--golden", str(bad_path)])
-    assert result.exit_code == 1
+    np.savez(bad_path, meta_json=np.array(json.dumps(golden.meta)), **broken)
+    args = ["verify", "--model-dir", str(DIRS["v1"]), "--golden", str(bad_path), "--threads", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
     assert any(line.startswith("hift_synth_wav") and "FAIL" in line for line in result.output.splitlines())
+    assert f"summary: {EXPECTED_OK['v1'] - 1} ok, 1 failed, 1 skipped" in result.output
 
 
-def test_bad_model_dir_is_a_clear_error(tmp_path: Path, v2_tiny_dir: Path) -> None:
+def test_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
+    golden = str(DIRS["v2"] / "reference.npz")
     result = CliRunner().invoke(
-        main,
-        ["verify", "--model-dir", str(tmp_path / "missing"), "--golden", str(v2_tiny_dir / "reference.npz")],
+        main, ["verify", "--model-dir", str(tmp_path / "missing"), "--golden", golden]
     )
     assert result.exit_code == 2
     assert "does not exist" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("family", ["v1", "v3"])
+def test_onnxruntime_backend_is_refused_for_v1_v3(family: str, tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="--backend torch"):
+        load_backend("onnxruntime", DIRS[family], tmp_path, threads=1)
+
+
+def test_golden_of_another_family_is_refused() -> None:
+    from trt_cosy.build.reference import load_torch_model
+
+    model = load_torch_model(DIRS["v1"], threads=1)
+    with pytest.raises(InputError, match="CosyVoice3 golden set"):
+        compute_outputs(model, GoldenSet.load(DIRS["v3"] / "reference.npz"))

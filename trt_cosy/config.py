@@ -1,7 +1,9 @@
 """Model configuration read from an official release directory (yaml + Qwen config.json).
 
 Only numbers live here; nothing is instantiated. ``ModelConfig.from_release_dir`` is the one
-entry point. Every field mirrors a value of the official yaml (see docs/cosyvoice-spec §1.3).
+entry point for every family: it picks the reader by the release's yaml (``release_family``;
+CosyVoice 1 and 3 are read by ``config_v1`` / ``config_v3``). Every field mirrors a value of the
+official yaml (see docs/cosyvoice-spec §1.3).
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from .errors import ModelDirError
 from .hyperyaml import Tagged, find_tagged, load_hyperyaml
 
+if TYPE_CHECKING:
+    from .config_v1 import V1ModelConfig
+
 __all__ = [
+    "release_family",
     "QwenConfig",
     "LLMConfig",
     "FlowEncoderConfig",
@@ -57,7 +63,7 @@ class QwenConfig:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise ModelDirError(
-                f"{path} is missing: a CosyVoice2 release has the Qwen2 config in {QWEN_DIR}/. "
+                f"{path} is missing: a CosyVoice2 or CosyVoice3 release has the Qwen2 config in {QWEN_DIR}/. "
                 "Re-download the release."
             ) from exc
         except (OSError, json.JSONDecodeError) as exc:
@@ -209,7 +215,7 @@ class MelConfig:
 class ModelConfig:
     """Everything inference needs from a release directory."""
 
-    family: str  # "v2" (v1/v3 later)
+    family: str  # "v2"; "v3" for config_v3.V3ModelConfig (v1 has its own config_v1.V1ModelConfig)
     sample_rate: int
     token_frame_rate: int
     token_mel_ratio: int
@@ -223,24 +229,48 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_release_dir(cls, model_dir: Path) -> ModelConfig:
+    def from_release_dir(cls, model_dir: Path) -> ModelConfig | V1ModelConfig:
+        """Read a release directory of any family, chosen by its yaml (``release_family``).
+
+        CosyVoice2 gives a ``ModelConfig``, CosyVoice3 a ``config_v3.V3ModelConfig`` (a subclass),
+        CosyVoice 1 a ``config_v1.V1ModelConfig``; check ``.family`` before using family-specific fields.
+        """
         model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise ModelDirError(
-                f"model directory {model_dir} does not exist. Pass the folder of an official release "
-                "(e.g. CosyVoice2-0.5B downloaded with `trt-cosy download`)."
-            )
+        family = release_family(model_dir)
+        if family == "v1":
+            from .config_v1 import v1_config_from_release_dir  # config_v1 imports this module
+
+            return v1_config_from_release_dir(model_dir)
+        if family == "v3":
+            from .config_v3 import v3_config_from_release_dir  # config_v3 imports this module
+
+            return v3_config_from_release_dir(model_dir)
         yaml_path = model_dir / YAML_BY_FAMILY["v2"]
-        if not yaml_path.is_file():
-            others = [name for name in YAML_BY_FAMILY.values() if (model_dir / name).is_file()]
-            hint = f" It has {others[0]}, a family not supported yet." if others else ""
-            raise ModelDirError(
-                f"{model_dir} has no {yaml_path.name}; expected an official CosyVoice2 release "
-                f"directory (cosyvoice2.yaml, llm.pt, flow.pt, hift.pt, {QWEN_DIR}/).{hint}"
-            )
         doc = load_hyperyaml(yaml_path, {"qwen_pretrain_path": str(model_dir / QWEN_DIR)})
         qwen = QwenConfig.from_json(model_dir / QWEN_DIR / "config.json")
         return _v2_from_yaml(doc, qwen, yaml_path)
+
+
+def release_family(model_dir: Path) -> str:
+    """``"v1"``, ``"v2"`` or ``"v3"``: which official yaml the release directory holds.
+
+    Checked in the official ``AutoModel`` order (``cosyvoice.yaml``, ``cosyvoice2.yaml``,
+    ``cosyvoice3.yaml``); raises ``ModelDirError`` for a missing directory or one with no yaml.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelDirError(
+            f"model directory {model_dir} does not exist. Pass the folder of an official release "
+            "(e.g. CosyVoice2-0.5B downloaded with `trt-cosy download`)."
+        )
+    for family in ("v1", "v2", "v3"):
+        if (model_dir / YAML_BY_FAMILY[family]).is_file():
+            return family
+    raise ModelDirError(
+        f"{model_dir} has no {YAML_BY_FAMILY['v2']}; expected an official CosyVoice2 release "
+        f"directory (cosyvoice2.yaml, llm.pt, flow.pt, hift.pt, {QWEN_DIR}/), or a CosyVoice 1 "
+        f"({YAML_BY_FAMILY['v1']}) or CosyVoice3 ({YAML_BY_FAMILY['v3']}) one."
+    )
 
 
 def _node(doc: dict[str, Any], key: str, class_name: str, source: Path) -> Tagged:
@@ -333,7 +363,9 @@ def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelC
             istft_n_fft=int(istft.get("n_fft", 16)),
             istft_hop_len=int(istft.get("hop_len", 4)),
             resblock_kernel_sizes=tuple(int(v) for v in hift["resblock_kernel_sizes"]),
-            resblock_dilation_sizes=tuple(tuple(int(d) for d in ds) for ds in hift["resblock_dilation_sizes"]),
+            resblock_dilation_sizes=tuple(
+                tuple(int(d) for d in ds) for ds in hift["resblock_dilation_sizes"]
+            ),
             source_resblock_kernel_sizes=tuple(int(v) for v in hift["source_resblock_kernel_sizes"]),
             source_resblock_dilation_sizes=tuple(
                 tuple(int(d) for d in ds) for ds in hift["source_resblock_dilation_sizes"]

@@ -1,4 +1,8 @@
-"""The torch reference backend: our modules on the official checkpoint, behind Runners."""
+"""The torch reference backend: our modules on the official checkpoint, behind Runners.
+
+``load_torch_model`` reads any family: CosyVoice 1 and 3 releases are handed to
+``reference_v1.load_torch_model_v1`` / ``reference_v3.load_torch_model_v3``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, release_family
 from ..runtime import graphs
 from ..runtime.model import LoadedModel
 from .modules.flow import EstimatorGraph, FlowEncoderGraph, load_flow
@@ -21,11 +25,29 @@ __all__ = ["load_torch_model"]
 _LOGGER = logging.getLogger(__name__)
 
 
-def load_torch_model(model_dir: Path, threads: int | None = None) -> LoadedModel:
-    """Load an official release directory into our torch modules (fp32, CPU)."""
+def load_torch_model(
+    model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None
+) -> LoadedModel:
+    """Load an official release directory (any family) into our torch modules (fp32, CPU).
+
+    Args:
+        model_dir: the release folder; its yaml picks the family (``config.release_family``).
+        threads: torch intra-op threads (None: torch's default).
+        hift_noise_seconds: CosyVoice3 only: how much of the fixed 300 s HiFT noise buffer to keep
+            (None: all of it, about 0.26 GB); ignored for the other families.
+    """
+    model_dir = Path(model_dir)
+    family = release_family(model_dir)
+    if family == "v1":
+        from .reference_v1 import load_torch_model_v1
+
+        return load_torch_model_v1(model_dir, threads=threads)
+    if family == "v3":
+        from .reference_v3 import load_torch_model_v3
+
+        return load_torch_model_v3(model_dir, threads=threads, hift_noise_seconds=hift_noise_seconds)
     if threads:
         torch.set_num_threads(threads)
-    model_dir = Path(model_dir)
     config = ModelConfig.from_release_dir(model_dir)
     llm = load_llm(model_dir, config.llm)
     flow = load_flow(model_dir, config.flow)

@@ -54,7 +54,7 @@ def load_torch_model_v1(model_dir: Path, threads: int | None = None) -> LoadedMo
     runners = {name: TorchRunner(graphs_v1.V1_GRAPHS[name], module) for name, module in modules.items()}
     _LOGGER.debug("loaded v1 torch reference model from %s", model_dir)
     return LoadedModel(
-        config=config,  # type: ignore[arg-type]  # LoadedModel.config is typed for v2 only (see report)
+        config=config,
         backend="torch",
         runners=runners,
         llm_tables=tables,

@@ -1,7 +1,8 @@
 """The torch reference backend for CosyVoice3 releases, and the fixed noise buffers v3 needs.
 
-``load_torch_model_v3`` mirrors ``reference.load_torch_model``: our modules on the official
-checkpoint behind ``TorchRunner``s keyed by the ``graphs_v3.GRAPHS_V3`` names.
+``load_torch_model_v3`` mirrors ``reference.load_torch_model`` (which dispatches here for a
+``cosyvoice3.yaml`` release): our modules on the official checkpoint behind ``TorchRunner``s keyed by
+the ``graphs_v3.GRAPHS_V3`` names, and the fixed HiFT noise in ``LoadedModel.hift_noise``.
 
 ``official_hift_noise`` regenerates the causal HiFT's ``SineGen2.sine_waves`` buffer. The official
 class draws it from the global torch RNG during construction, so its values depend on every draw
@@ -24,7 +25,7 @@ from torch import nn
 
 from ..config_v3 import V3ModelConfig, v3_config_from_release_dir
 from ..runtime import graphs_v3
-from ..stages.v3 import LoadedModelV3
+from ..runtime.model import LoadedModel
 from .modules.causal_hift import CausalHiFTGraph, load_causal_hift
 from .modules.v3_flow import EstimatorGraph, V3FlowEncoderGraph, load_flow_v3
 from .modules.v3_llm import LLMGraph, embedding_tables_v3, load_llm_v3
@@ -69,7 +70,7 @@ def load_torch_model_v3(
     *,
     hift_noise_seconds: float | None = None,
     f0_float64: bool = False,
-) -> LoadedModelV3:
+) -> LoadedModel:
     """Load a CosyVoice3 release directory into our torch modules (fp32, CPU).
 
     Args:
@@ -97,7 +98,7 @@ def load_torch_model_v3(
     }
     runners = {name: TorchRunner(specs[name], module) for name, module in modules.items()}
     _LOGGER.debug("loaded torch reference CosyVoice3 model from %s", model_dir)
-    return LoadedModelV3(
+    return LoadedModel(
         config=config,
         backend="torch",
         runners=runners,

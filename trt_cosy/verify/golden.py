@@ -14,9 +14,11 @@ from ..errors import InputError
 
 __all__ = ["GoldenSet", "Comparison", "compare", "INJECTED_PATTERN", "default_tolerance"]
 
-# Inputs and injected draws are fed, never compared (golden README §3, first row).
+# Inputs and injected draws are fed, never compared (golden README §3, §7.6, §8.4: first rows).
+# v1 records its fresh draws per call: the CFM start noise ``_flow_z`` and the SineGen ``rand_phase``.
 INJECTED_PATTERN: Final = re.compile(
-    r"^(in_|flow_rand_noise$|meta_json$)|_flow_tokens$|(rand_ini|sine_noise|source_noise|sine_waves)$"
+    r"^(in_|flow_rand_noise$|meta_json$)|_flow_tokens$|_flow_z$"
+    r"|(rand_ini|rand_phase|sine_noise|source_noise|sine_waves)$"
 )
 
 # The golden README §3 table, used when a file's meta_json carries no tolerance groups.
@@ -65,7 +67,9 @@ class GoldenSet:
             with np.load(path, allow_pickle=False) as data:
                 arrays = {key: data[key] for key in data.files}
         except (OSError, ValueError) as exc:
-            raise InputError(f"cannot read golden file {path} ({exc}); pass a reference.npz from the golden set.") from exc
+            raise InputError(
+                f"cannot read golden file {path} ({exc}); pass a reference.npz from the golden set."
+            ) from exc
         meta = json.loads(str(arrays.pop("meta_json"))) if "meta_json" in arrays else {}
         return cls(arrays, meta, path)
 

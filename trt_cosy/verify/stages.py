@@ -7,45 +7,22 @@ does (``run_flow``), and checks the chunk bookkeeping end to end.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ..runtime import graphs
-from ..runtime.base import Runner
 from ..runtime.model import LoadedModel
 from ..stages.flow import FlowStage
 from ..stages.llm import LLMStage
 from ..stages.sampling import greedy_sample
 from ..stages.vocoder import VocoderCache, VocoderStage
 from .golden import GoldenSet
+from .recording import RecordingRunner
 
 __all__ = ["run_llm", "run_flow", "run_hift"]
 
 _SCENARIOS = ("nonstream", "stream", "streampad")
-
-
-class _RecordingRunner:
-    """Wraps a runner and keeps the last-position logits of every call (greedy_logits)."""
-
-    def __init__(self, inner: Runner):
-        self.inner = inner
-        self.name = inner.name
-        self.last_logits: list[np.ndarray] = []
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self.inner.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self.inner.output_names
-
-    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = self.inner.infer(feed)
-        self.last_logits.append(outputs["logits"][0, -1].copy())  # [V]
-        return outputs
 
 
 def _ids(golden: GoldenSet, key: str) -> np.ndarray:
@@ -66,7 +43,7 @@ def run_llm(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> d
     ours["llm_tf_cached_logp"] = stage.cached_logp(lm_input[:, :prefix_len], target[:n_forced])
     if "llm_greedy_tokens" in golden:
         steps = golden["llm_greedy_tokens"].size
-        recorder = _RecordingRunner(model.runners[graphs.LLM.name])
+        recorder = RecordingRunner(model.runners[graphs.LLM.name])
         greedy = LLMStage(recorder, model.llm_tables, model.config.llm)
         tokens = list(greedy.generate(text, prompt_text, prompt_speech, greedy_sample, max_new_tokens=steps))
         ours["llm_greedy_tokens"] = np.asarray(tokens, dtype=np.int32)
@@ -135,7 +112,10 @@ def run_flow(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> 
         ours[prefix + "hift_cache_source"] = empty_source if cache.empty else cache.source
         ours[prefix + "hift_mel"] = mel if cache.empty else np.concatenate([cache.mel, mel], axis=2)
         samples = vocoder.render(
-            mel, golden[prefix + "hift_sine_noise"].astype(np.float32), cache, final=bool(chunk["flow_finalize"])
+            mel,
+            golden[prefix + "hift_sine_noise"].astype(np.float32),
+            cache,
+            final=bool(chunk["flow_finalize"]),
         )  # samples: [1, N]
         ours[prefix + "out_speech"] = samples
         pieces.setdefault(name, []).append(samples)
@@ -144,8 +124,14 @@ def run_flow(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> 
     return ours
 
 
-def _hift(model: LoadedModel, mel: np.ndarray, noise: np.ndarray, cache_source: np.ndarray) -> dict[str, np.ndarray]:
-    feed = {"mel": mel, "sine_noise": noise.astype(np.float32), "cache_source": cache_source.astype(np.float32)}
+def _hift(
+    model: LoadedModel, mel: np.ndarray, noise: np.ndarray, cache_source: np.ndarray
+) -> dict[str, np.ndarray]:
+    feed = {
+        "mel": mel,
+        "sine_noise": noise.astype(np.float32),
+        "cache_source": cache_source.astype(np.float32),
+    }
     return model.runners[graphs.HIFT.name].infer(feed)
 
 
@@ -159,7 +145,9 @@ def run_hift(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> 
         for index in range(len(scenario["chunks"])):
             prefix = f"{name}_c{index}_"
             out = _hift(
-                model, golden[prefix + "hift_mel"], golden[prefix + "hift_sine_noise"],
+                model,
+                golden[prefix + "hift_mel"],
+                golden[prefix + "hift_sine_noise"],
                 golden[prefix + "hift_cache_source"],
             )
             ours[prefix + "hift_wav"], ours[prefix + "hift_source"] = out["wav"], out["source"]

@@ -1,0 +1,102 @@
+"""``make-test-model`` writers for CosyVoice 1 (300M-SFT layout) and CosyVoice3 release directories.
+
+Checkpoint key sets and shapes are those of the official ``state_dict()`` (checked against the
+golden tiny checkpoints in tests/test_make_test_model.py); the modules come from
+``build.modules`` built from the config the written yaml gives, so yaml and weights always agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+import torch
+
+from ..config_v1 import v1_config_from_release_dir
+from ..config_v3 import v3_config_from_release_dir
+from ..frontend.tokenizer_v1 import V1_TOKENIZER_FILE, whisper_specials
+from .modules.causal_hift import CausalHiFTGenerator
+from .modules.v1_flow import MaskedDiffWithXvecV1
+from .modules.v1_hift import build_hift_v1
+from .modules.v1_llm import TransformerLMV1
+from .modules.v3_flow import CosyVoice3Flow
+from .modules.v3_llm import CosyVoice3LM
+from .standin_onnx import (
+    write_standin_campplus,
+    write_standin_speech_tokenizer,
+    write_standin_speech_tokenizer_v1,
+)
+from .testmodel_parts import calibrate_f0, save_state, save_tied_llm, unfold_weight_norm, write_qwen_dir
+from .tiktoken_writer import write_test_ranks
+from .yaml_template_v1 import V1_FULL_SIZES, V1_TINY_SIZES, render_cosyvoice_yaml
+from .yaml_template_v3 import V3_FULL_SIZES, V3_TINY_SIZES, render_cosyvoice3_yaml
+
+__all__ = ["write_release_v1", "write_release_v3", "PRESET_SPEAKERS"]
+
+_LOGGER = logging.getLogger(__name__)
+
+# Built-in speaker names of the CosyVoice-300M-SFT release (docs/cosyvoice-spec §1.1).
+PRESET_SPEAKERS: Final = ("中文女", "中文男", "日语男", "粤语女", "英文女", "英文男", "韩语女")
+_SPK2INFO_FILE: Final = "spk2info.pt"
+_SPEAKER_DIM: Final = 192
+
+
+def write_release_v1(root: Path, size: str, seed: int) -> None:
+    """A CosyVoice-300M-SFT-style directory (preset speakers included) in ``root``."""
+    sizes = V1_TINY_SIZES if size == "tiny" else V1_FULL_SIZES
+    (root / "cosyvoice.yaml").write_text(render_cosyvoice_yaml(sizes, size), encoding="utf-8")
+    config = v1_config_from_release_dir(root)
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        save_state(TransformerLMV1(config.llm).state_dict(), root / "llm.pt")
+        torch.manual_seed(seed + 1)
+        save_state(MaskedDiffWithXvecV1(config.flow).state_dict(), root / "flow.pt")
+        torch.manual_seed(seed + 2)
+        hift = build_hift_v1(config.hift)
+        calibrate_f0(hift, seed)
+        save_state(unfold_weight_norm(hift.state_dict()), root / "hift.pt")
+    finally:
+        torch.random.set_rng_state(generator_state)
+    _write_spk2info(root / _SPK2INFO_FILE, seed)
+    # The tokenizer's ids must fit the text embedding: the ranks, then whisper's specials.
+    write_test_ranks(root / V1_TOKENIZER_FILE, config.llm.text_token_size - len(whisper_specials()))
+    rng = np.random.default_rng(seed)
+    write_standin_campplus(root / "campplus.onnx", rng)
+    write_standin_speech_tokenizer_v1(root / "speech_tokenizer_v1.onnx", rng)
+
+
+def _write_spk2info(path: Path, seed: int) -> None:
+    """The official format: ``torch.save({name: {'embedding': float32 [1, 192]}})``."""
+    generator = torch.Generator().manual_seed(seed + 4)
+    speakers = {
+        name: {"embedding": torch.randn(1, _SPEAKER_DIM, generator=generator)} for name in PRESET_SPEAKERS
+    }
+    torch.save(speakers, path)
+
+
+def write_release_v3(root: Path, size: str, seed: int) -> None:
+    """A Fun-CosyVoice3-0.5B-style directory in ``root``."""
+    sizes = V3_TINY_SIZES if size == "tiny" else V3_FULL_SIZES
+    (root / "cosyvoice3.yaml").write_text(render_cosyvoice3_yaml(sizes, size), encoding="utf-8")
+    write_qwen_dir(root, size)
+    config = v3_config_from_release_dir(root)
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        save_tied_llm(CosyVoice3LM(config.llm), root / "llm.pt")
+        torch.manual_seed(seed + 1)
+        save_state(CosyVoice3Flow(config.flow).state_dict(), root / "flow.pt")
+        torch.manual_seed(seed + 2)
+        hift = CausalHiFTGenerator(config.hift)
+        calibrate_f0(hift, seed)
+        save_state(unfold_weight_norm(hift.state_dict()), root / "hift.pt")
+    finally:
+        torch.random.set_rng_state(generator_state)
+    rng = np.random.default_rng(seed)
+    write_standin_campplus(root / "campplus.onnx", rng)
+    write_standin_speech_tokenizer(
+        root / "speech_tokenizer_v3.onnx", rng, graph_name="speech_tokenizer_v3_standin"
+    )
