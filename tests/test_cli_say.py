@@ -20,9 +20,9 @@ import soundfile
 from click.testing import CliRunner
 
 # Shared fixtures and helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
-from test_tts import REF_TEXT, make_torch_tts, reference_wavs, tiny_engines, tiny_release
+from test_tts import REF_TEXT, make_torch_tts, reference_wavs, stub_models, tiny_engines, tiny_release
 
-from trt_cosy import AudioChunk, Voice
+from trt_cosy import InputError, Voice
 from trt_cosy.cli import main
 from trt_cosy.download import engines_cache_dir
 from trt_cosy.tts import CosyVoice
@@ -65,13 +65,8 @@ def injected(torch_tts, monkeypatch) -> CosyVoice:
 
 @pytest.fixture
 def stub_render(injected, monkeypatch) -> CosyVoice:
-    """Synthesis renders 0.1 s of a sine per segment (the plumbing is under test, not the models)."""
-
-    def render(stages, segment, voice, sampler, rng, index, is_last):
-        samples = (0.1 * np.sin(np.arange(2400) / 10.0)).astype(np.float32)
-        return AudioChunk(samples, injected.sample_rate, index, is_last, {"tokens": 5}, segment.text)
-
-    monkeypatch.setattr(injected, "_render", render)
+    """Synthesis renders 0.1 s of a sine per chunk (the plumbing is under test, not the models)."""
+    stub_models(monkeypatch, lambda call, plan: (0.1 * np.sin(np.arange(2400) / 10.0)).astype(np.float32))
     return injected
 
 
@@ -315,3 +310,60 @@ def test_say_voices_save_round_trip_without_torch(tmp_path_factory, v2_tiny_dir,
         other, _ = soundfile.read(out / name, dtype="float32")
         np.testing.assert_array_equal(other, first, err_msg=name)
     assert Voice.load(out / "voice.npz").prompt_text == REF_TEXT
+
+
+# ----------------------------------------------------------------------------- --stream and --play
+
+
+def test_say_stream_writes_progressively_with_progress_and_plays(stub_render, wavs, tmp_path, monkeypatch):
+    played = tmp_path / "played.raw"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    player = bin_dir / "aplay"
+    player.write_text(f"#!/bin/sh\nexec {shutil.which('cat')} > {played}\n", encoding="utf-8")
+    player.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    out = tmp_path / "out.wav"
+    args = (
+        "say",
+        "Hello there.",
+        "--engines",
+        tmp_path,
+        "--ref",
+        wavs["ref"],
+        "-o",
+        out,
+        "--stream",
+        "--play",
+    )
+    result = _invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "chunk 0: 0.10 s (first audio" in result.output and "RTF" in result.output
+    audio, rate = soundfile.read(out, dtype="float32")
+    assert rate == 24000 and audio.shape == (2400,)
+    heard = np.frombuffer(played.read_bytes(), dtype="<f4")
+    assert heard.shape == (2400,) and np.abs(heard - audio).max() <= 1 / 32768 + 1e-6
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bin", "out.wav", "played.raw"]
+
+
+def test_say_play_without_a_player_still_writes_the_file(stub_render, wavs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    out = tmp_path / "out.wav"
+    result = _invoke("say", "Hello.", "--engines", tmp_path, "--ref", wavs["ref"], "-o", out, "--play")
+    assert result.exit_code == 0, result.output
+    assert "no audio player found" in result.output and out.is_file()
+
+
+def test_say_stream_error_mid_request_leaves_no_file(injected, wavs, tmp_path, monkeypatch):
+    def render(call, plan):
+        if call == 1:
+            raise InputError("simulated failure in the second chunk")
+        return np.zeros(960, np.float32)
+
+    stub_models(monkeypatch, render)
+    out = tmp_path / "out.wav"
+    text = "This sentence is about the weather and the sea and the wind today. " * 6
+    result = _invoke("say", text, "--engines", tmp_path, "--ref", wavs["ref"], "-o", out, "--stream")
+    assert result.exit_code == 2 and "simulated failure" in result.output, result.output
+    assert "chunk 0:" in result.output
+    assert list(tmp_path.iterdir()) == []

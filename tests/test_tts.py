@@ -18,21 +18,23 @@ import pytest
 import soundfile
 
 from trt_cosy import (
-    AudioChunk,
     CosyVoice,
     EngineConfig,
     EngineMismatchError,
     InputError,
     SynthesisConfig,
     Voice,
+    pipeline,
 )
 from trt_cosy.config import QWEN_DIR
 from trt_cosy.frontend.text import TextNormalizer
 from trt_cosy.frontend.tokenizer import QwenTextTokenizer
 from trt_cosy.frontend.voice import VoiceBuilder
+from trt_cosy.pipeline import Request
 from trt_cosy.runtime.manifest import hash_checkpoint
 from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.stages.llm import LLMStage
+from trt_cosy.streaming import ChunkPlan
 from trt_cosy.synthesis import llm_prompt, plan_segments, segment_token_limit
 from trt_cosy.tts import model_id_from_checkpoint
 
@@ -292,37 +294,56 @@ def test_llm_input_layout_zero_shot_vs_cross_lingual(torch_tts, voices):
     np.testing.assert_array_equal(layout, expected)
 
 
+def stub_models(monkeypatch, render=None) -> list[tuple[int, ChunkPlan]]:
+    """Replace the LLM (5 speech tokens per segment) and flow + vocoder (``render(plan) -> samples``,
+    default 960 zeros per chunk) of every request; returns the (call, plan) log of the renders."""
+    calls: list[tuple[int, ChunkPlan]] = []
+
+    def fake_render(stages, voice, tokens, plan, cache, rng, token_mel_ratio):
+        calls.append((len(calls), plan))
+        samples = np.zeros(960, np.float32) if render is None else render(len(calls) - 1, plan)
+        return samples, 0.0, 0.0
+
+    monkeypatch.setattr(Request, "_decode", lambda self, index: iter(range(1, 6)))
+    monkeypatch.setattr(pipeline, "render_chunk", fake_render)
+    return calls
+
+
 def test_synthesize_is_lazy_and_stops_when_closed(torch_tts, voices, monkeypatch):
-    calls = []
-
-    def fake_render(stages, segment, voice, sampler, rng, index, is_last):
-        calls.append(index)
-        return AudioChunk(np.zeros(960, np.float32), torch_tts.sample_rate, index, is_last, {}, segment.text)
-
-    monkeypatch.setattr(torch_tts, "_render", fake_render)
+    calls = stub_models(monkeypatch)
     text = "This sentence is about the weather and the sea and the wind today. " * 6
     chunks = torch_tts.synthesize(text, voices["zero_shot"])
     assert calls == []
     first = next(chunks)
-    assert calls == [0] and first.index == 0 and not first.is_last
+    assert len(calls) == 1 and first.index == 0 and not first.is_last
+    assert first.timings["tokens"] == 5 and calls[0][1] == ChunkPlan(end=5, offset=0, final=True)
     chunks.close()
-    assert calls == [0]
+    assert len(calls) == 1
+    assert not [thread for thread in threading.enumerate() if thread.name == "trt-cosy-llm"]
     indices = [(chunk.index, chunk.is_last) for chunk in torch_tts.synthesize(text, voices["zero_shot"])]
     assert indices[-1][1] and not any(last for _, last in indices[:-1])
     assert [index for index, _ in indices] == list(range(len(indices)))
 
 
 def test_error_mid_request_leaves_no_file(torch_tts, voices, monkeypatch, tmp_path):
-    def failing_render(stages, segment, voice, sampler, rng, index, is_last):
-        if index == 1:
+    def failing(call, plan):
+        if call == 1:
             raise RuntimeError("engine failure")
-        return AudioChunk(np.zeros(960, np.float32), torch_tts.sample_rate, index, is_last, {}, segment.text)
+        return np.zeros(960, np.float32)
 
-    monkeypatch.setattr(torch_tts, "_render", failing_render)
+    stub_models(monkeypatch, failing)
     text = "This sentence is about the weather and the sea and the wind today. " * 6
     with pytest.raises(RuntimeError, match="engine failure"):
         torch_tts.synthesize_to_file(text, tmp_path / "out.wav", voices["zero_shot"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stream_config_field_round_trips_and_is_checked():
+    config = SynthesisConfig(stream=True)
+    assert SynthesisConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert SynthesisConfig().stream is False
+    with pytest.raises(InputError, match="stream must be True or False"):
+        SynthesisConfig(stream="yes")
 
 
 # ----------------------------------------------------------------------------- end to end (ONNX Runtime)
@@ -351,7 +372,9 @@ def test_audio_length_follows_the_token_count(ort_tts, wavs):
     peak = float(np.abs(chunk.samples).max())
     assert peak > 1e-3, f"silent output, peak {peak}"
     assert chunk.timings["audio_s"] == pytest.approx(chunk.samples.shape[0] / 24000)
-    assert {"llm_s", "flow_s", "vocoder_s", "rtf"} <= set(chunk.timings)
+    assert {"llm_s", "llm_wait_s", "flow_s", "vocoder_s", "rtf", "first_audio_s", "elapsed_s"} <= set(
+        chunk.timings
+    )
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str, force: b
               help="Engines directory (onnxruntime / tensorrt backends).")
 @click.option("--threads", type=int, default=None, help="CPU threads for the backend.")
 def verify(model_dir: Path, golden: Path, backend: str, engines: Path | None, threads: int | None) -> None:
-    """Compare every stage with the official outputs in a golden file; exit 1 on any failure."""
+    """Compare every stage with the official outputs in a golden file (CosyVoice 1, 2 or 3); exit 1 on any failure."""
     from .verify import format_table, load_backend, run_verify
     from .verify.golden import GoldenSet
 
@@ -78,18 +78,22 @@ def verify(model_dir: Path, golden: Path, backend: str, engines: Path | None, th
 
 @main.command("make-test-model")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--family", type=click.Choice(["v1", "v2", "v3"]), default="v2", show_default=True,
+              help="v1: CosyVoice-300M-SFT layout, v2: CosyVoice2-0.5B, v3: Fun-CosyVoice3-0.5B.")
 @click.option("--size", type=click.Choice(["tiny", "full"]), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --out directory.")
-def make_test_model(out: Path, size: str, seed: int, overwrite: bool) -> None:
-    """Write a random-weight CosyVoice2 release directory (official layout) for tests and benchmarks."""
+def make_test_model(out: Path, family: str, size: str, seed: int, overwrite: bool) -> None:
+    """Write a random-weight release directory (official layout) for tests and benchmarks."""
     from .errors import require
 
     require("torch", "build")
     from .build.testmodel import make_test_model as write
 
-    path = write(out, size=size, seed=seed, overwrite=overwrite)
-    click.echo(f"wrote {size} random-weight test model to {path} (not a real voice: audio is noise-like)")
+    path = write(out, size=size, seed=seed, overwrite=overwrite, family=family)
+    click.echo(
+        f"wrote {size} random-weight {family} test model to {path} (not a real voice: audio is noise-like)"
+    )
 
 
 _SOURCES = ("huggingface", "modelscope")
@@ -177,6 +181,8 @@ def _engine_options(command):
     "-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output wav."
 )
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
+@click.option("--stream", is_flag=True, help="Stream: write (and --play) audio while it is generated.")
+@click.option("--play", is_flag=True, help="Also play the audio as it comes (aplay, paplay or ffplay).")
 def say(
     text: str,
     engines: Path | None,
@@ -188,9 +194,12 @@ def say(
     voice_file: Path | None,
     out: Path,
     seed: int | None,
+    stream: bool,
+    play: bool,
 ) -> None:
     """Speak TEXT in the voice of --ref (or --voice) into a wav file (written atomically)."""
     from .frontend.voice import Voice
+    from .synthesis import AudioPlayer, SynthesisConfig, write_audio
 
     _check_one_of(ref=ref, voice=voice_file)
     if ref is None and voice_file is None:
@@ -201,7 +210,26 @@ def say(
     tts = _load_tts(engines, model_dir, source, threads)
     if voice is None:
         voice = tts.voice_from_wav(ref, ref_text)
-    tts.synthesize_to_file(text, out, voice, seed=seed)
+    chunks = tts.synthesize(text, voice, seed=seed, config=SynthesisConfig(stream=stream))
+    player = AudioPlayer.open(tts.sample_rate) if play else None
+    if play and player is None:
+        _progress("--play: no audio player found (aplay, paplay or ffplay); writing the file only")
+
+    def on_chunk(chunk) -> None:
+        if player is not None:
+            player.play(chunk)
+        t = chunk.timings
+        _progress(f"chunk {chunk.index}: {chunk.duration:.2f} s (first audio {t['first_audio_s']:.2f} s, "
+                  f"elapsed {t['elapsed_s']:.2f} s, RTF {t['rtf']:.2f})")
+
+    try:
+        write_audio(chunks, out, tts.sample_rate, on_chunk=on_chunk)
+    except BaseException:
+        if player is not None:
+            player.close(wait=False)
+        raise
+    if player is not None:
+        player.close()  # until everything was played
     click.echo(f"wrote {out}")
 
 
@@ -261,6 +289,42 @@ def download(name: str, source: str, target: Path | None) -> None:
     click.echo(
         f'release ready in {path}; speak with: trt-cosy say "Hello." --model-dir {path} --ref ref.wav -o out.wav'
     )
+
+
+@main.command()
+@click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Engines directory from `trt-cosy build`.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Loopback by default: the server has no authentication.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of stored voices (default: the trt-cosy cache, voices/<model id>).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per graph.")
+@click.option("--max-concurrent", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Syntheses running at once.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Requests waiting for a slot; more are answered 429.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="Per-request time limit, seconds.")
+def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads: int | None,
+          max_concurrent: int, max_queue: int, timeout_s: float) -> None:
+    """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
+    from .errors import require
+
+    for module in ("fastapi", "uvicorn", "python_multipart"):
+        require(module, "serve")
+    from .download import cache_root
+    from .server import ServerSettings, run_server
+    from .synthesis import EngineConfig
+    from .tts import CosyVoice
+
+    tts = CosyVoice.load(engines, config=EngineConfig(threads=threads))
+    settings = ServerSettings(
+        voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
+        max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s,
+    )
+    click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
+    run_server(tts, settings)
 
 
 if __name__ == "__main__":  # pragma: no cover

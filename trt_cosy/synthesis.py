@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import subprocess
 import tempfile
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,7 +34,9 @@ __all__ = [
     "plan_segments",
     "segment_token_limit",
     "llm_prompt",
+    "request_rngs",
     "write_audio",
+    "AudioPlayer",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -94,8 +98,14 @@ class SynthesisConfig:
     False synthesises the text exactly as given, in one segment."""
     normalizer: str | None = None
     """``"wetext"`` or ``"none"`` for this call. None: the engine's default (``EngineConfig``)."""
+    stream: bool = False
+    """Yield audio while the LLM is still speaking: several chunks per text segment on the official
+    streaming schedule (hops of 25 + prompt padding, 50, then 100 speech tokens = 1, 2, 4 s), first
+    audio after about 1 s of speech is decoded. False: one chunk per text segment."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stream, bool):
+            raise InputError(f"stream must be True or False, got {self.stream!r}.")
         if self.max_text_tokens is not None and (
             not isinstance(self.max_text_tokens, int) or self.max_text_tokens < 1
         ):
@@ -118,15 +128,19 @@ class SynthesisConfig:
 
 @dataclass(frozen=True, eq=False)
 class AudioChunk:
-    """One piece of synthesised audio: in non-streaming synthesis, one per text segment.
+    """One piece of synthesised audio: one per text segment, or several with ``stream=True``.
 
     Attributes:
         samples: mono waveform, float32 [N], values in [-1, 1].
         sample_rate: Hz (24000 for CosyVoice2).
         index: position of this chunk in the request, from 0.
         is_last: True for the request's final chunk.
-        timings: ``llm_s``, ``flow_s``, ``vocoder_s`` (seconds), ``tokens`` (speech tokens the LLM
-            produced), ``audio_s`` (seconds of audio) and ``rtf`` (compute time / audio time).
+        timings: seconds unless noted. ``llm_wait_s``: waiting for this chunk's speech tokens (the
+            LLM time not hidden by the pipeline); ``llm_s``: the LLM's decoding time for this segment
+            so far (in its worker thread); ``flow_s``, ``vocoder_s``: rendering this chunk;
+            ``tokens``: speech tokens this chunk speaks; ``audio_s``: its length; ``first_audio_s``:
+            the request's time to first audio; ``elapsed_s``: since the request started; ``rtf``:
+            ``elapsed_s`` / audio so far in the request (the request's RTF on its last chunk).
         text: the normalised text segment this chunk speaks.
     """
 
@@ -219,6 +233,16 @@ def llm_prompt(voice: Voice) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(0, np.int64), np.zeros(0, np.int64)
 
 
+def request_rngs(seed: int | None) -> tuple[np.random.Generator, np.random.Generator]:
+    """(LLM sampling rng, vocoder noise rng) of one request: independent streams from one seed.
+
+    The LLM samples in its worker thread while the vocoder draws noise in the caller's thread, so
+    each needs its own generator for a seed to give the same audio whatever the thread timing.
+    """
+    llm_seed, vocoder_seed = np.random.SeedSequence(seed).spawn(2)
+    return np.random.default_rng(llm_seed), np.random.default_rng(vocoder_seed)
+
+
 def _audio_format(path: Path) -> str:
     import soundfile
 
@@ -234,12 +258,19 @@ def _audio_format(path: Path) -> str:
     return name
 
 
-def write_audio(chunks: Iterable[AudioChunk], path: str | Path, sample_rate: int) -> Path:
+def write_audio(
+    chunks: Iterable[AudioChunk],
+    path: str | Path,
+    sample_rate: int,
+    on_chunk: Callable[[AudioChunk], None] | None = None,
+) -> Path:
     """Write every chunk to ``path`` (format from the suffix, WAV without one) atomically.
 
-    The audio goes to a temporary file next to ``path`` that replaces it only when all chunks were
-    written; on any error (or interruption) the temporary file is removed, ``path`` is left as it
-    was, and a generator of chunks is closed. Returns ``path``.
+    Each chunk is written as it arrives (a streaming synthesis lands on disk progressively); the
+    audio goes to a temporary file next to ``path`` whose header is completed and which replaces
+    ``path`` only when all chunks were written. On any error (or interruption) the temporary file is
+    removed, ``path`` is left as it was, and a generator of chunks is closed. ``on_chunk`` is called
+    after each chunk is written (progress, playback). Returns ``path``.
     """
     import soundfile
 
@@ -255,6 +286,8 @@ def write_audio(chunks: Iterable[AudioChunk], path: str | Path, sample_rate: int
             with soundfile.SoundFile(temp_name, "w", sample_rate, 1, subtype, format=audio_format) as sink:
                 for chunk in chunks:
                     sink.write(np.clip(chunk.samples, -1.0, 1.0))  # samples: [N]
+                    if on_chunk is not None:
+                        on_chunk(chunk)
             os.chmod(temp_name, _OUTPUT_MODE)
             os.replace(temp_name, path)
         except BaseException:
@@ -266,3 +299,55 @@ def write_audio(chunks: Iterable[AudioChunk], path: str | Path, sample_rate: int
             close()
     _LOGGER.debug("wrote %s", path)
     return path
+
+
+# Players that read raw mono float32 little-endian PCM from stdin: (program, arguments).
+_PLAYERS: Final = (
+    ("aplay", ("-q", "-t", "raw", "-f", "FLOAT_LE", "-c", "1", "-r", "{rate}", "-")),
+    ("paplay", ("--raw", "--format=float32le", "--channels=1", "--rate={rate}")),
+    ("ffplay", ("-nodisp", "-autoexit", "-loglevel", "quiet", "-f", "f32le", "-ar", "{rate}", "-i", "-")),
+)
+
+
+class AudioPlayer:
+    """Plays chunks as they come through an external player reading raw PCM from stdin."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process = process
+
+    @classmethod
+    def open(cls, sample_rate: int) -> AudioPlayer | None:
+        """Start the first player found on PATH (aplay, paplay, ffplay); None when there is none."""
+        for program, arguments in _PLAYERS:
+            executable = shutil.which(program)
+            if executable is None:
+                continue
+            command = [executable, *(item.format(rate=sample_rate) for item in arguments)]
+            try:
+                process = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            except OSError as exc:
+                _LOGGER.debug("could not start %s: %s", program, exc)
+                continue
+            _LOGGER.debug("playing through %s", program)
+            return cls(process)
+        return None
+
+    def play(self, chunk: AudioChunk) -> None:
+        """Queue the chunk's samples (a player that went away is ignored)."""
+        data = np.clip(chunk.samples, -1.0, 1.0).astype("<f4").tobytes()  # [N] float32 LE
+        try:
+            self.process.stdin.write(data)
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            _LOGGER.debug("the player stopped reading")
+
+    def close(self, wait: bool = True) -> None:
+        """End the input; with ``wait``, until the player has played everything."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        if wait:
+            self.process.wait()
+        else:
+            self.process.terminate()

@@ -5,7 +5,8 @@
     tts.synthesize_to_file("Hello there.", "out.wav", voice, seed=0)
 
 The engine holds only read-only resources (graphs, tables, tokenizer, normaliser); every request
-keeps its own sampler and random generator, so one ``CosyVoice`` serves many threads at once.
+keeps its own state (sampler, random generators, LLM worker thread, hop schedule, vocoder cache) in
+a ``trt_cosy.pipeline.Request``, so one ``CosyVoice`` serves many threads at once.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import hashlib
 import json
 import logging
 import threading
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import Final
 
 import numpy as np
 
@@ -26,17 +26,15 @@ from .errors import EngineMismatchError, InputError, MissingDependencyError
 from .frontend.text import TextNormalizer
 from .frontend.tokenizer import QwenTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder
+from .pipeline import Request, Stages, iterate_in_thread
 from .runtime.model import LoadedModel
 from .stages.flow import FlowStage
 from .stages.llm import LLMStage
-from .stages.sampling import RASSampler
 from .stages.vocoder import VocoderStage
 from .synthesis import (
     AudioChunk,
     EngineConfig,
-    Segment,
     SynthesisConfig,
-    llm_prompt,
     plan_segments,
     segment_token_limit,
     write_audio,
@@ -84,12 +82,6 @@ class _LazyOrtRunner:
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._get().infer(feed)
-
-
-class _Stages(NamedTuple):
-    llm: LLMStage
-    flow: FlowStage
-    vocoder: VocoderStage
 
 
 class CosyVoice:
@@ -202,10 +194,13 @@ class CosyVoice:
     def synthesize(
         self, text: str, voice: Voice, seed: int | None = None, config: SynthesisConfig | None = None
     ) -> Iterator[AudioChunk]:
-        """Speak ``text`` in ``voice``: one ``AudioChunk`` per sentence segment.
+        """Speak ``text`` in ``voice``: one ``AudioChunk`` per sentence segment, or several with
+        ``config.stream`` (the official streaming schedule: first audio after ~1 s of speech).
 
         The text and voice are checked at once (``InputError`` with what to do); the models are
-        lazy: nothing runs until you iterate, and closing the iterator stops the work.
+        lazy: nothing runs until you iterate, and closing the iterator stops the work (the LLM
+        worker thread stops after its current token). One ``CosyVoice`` serves many threads at
+        once; the same seed gives the same audio whatever else runs.
 
         Args:
             text: what to say; it is normalised and split into sentences as the official frontend does.
@@ -213,14 +208,35 @@ class CosyVoice:
             seed: the same seed gives the same audio; None draws fresh entropy.
             config: per-call options; None for the defaults.
         """
+        return self._request(text, voice, seed, config).chunks()
+
+    async def asynthesize(
+        self, text: str, voice: Voice, seed: int | None = None, config: SynthesisConfig | None = None
+    ) -> AsyncIterator[AudioChunk]:
+        """``synthesize`` for asyncio: the same chunks, computed in a worker thread.
+
+        The checks run at the first ``__anext__`` (``InputError``). Errors of the work are raised in
+        the consumer; when the consumer stops iterating (``break``, ``aclose``) or its task is
+        cancelled, the work is cancelled too (the LLM stops after its current token, a chunk being
+        rendered is finished and dropped).
+        """
+        request = self._request(text, voice, seed, config)
+        async for chunk in iterate_in_thread(request):
+            yield chunk
+
+    def _request(self, text: str, voice: Voice, seed: int | None, config: SynthesisConfig | None) -> Request:
+        """Check the inputs and plan the request (nothing runs yet)."""
         config = config or SynthesisConfig()
-        if seed is not None and (not isinstance(seed, int) or seed < 0):
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise InputError(f"seed must be a non-negative integer or None, got {seed!r}.")
         self._check_voice(voice)
         limit = self._segment_limit(voice, config)
         split = None if config.text_frontend is False else self._normalizer_for(config.normalizer).split
         segments = plan_segments(text, split, self.tokenizer.encode, limit)
-        return self._generate(segments, voice, np.random.default_rng(seed))
+        model_config = self.model.config
+        # The flow runs on prompt + new tokens; never let the LLM outgrow the fixed noise.
+        budget = self.model.flow_noise.shape[2] // model_config.token_mel_ratio - voice.speech_tokens.shape[0]
+        return Request(self._stages, model_config, segments, voice, seed, config.stream, budget)
 
     def synthesize_to_file(
         self,
@@ -284,10 +300,10 @@ class CosyVoice:
             return self._normalizers[engine]
 
     @functools.cached_property
-    def _stages(self) -> _Stages:
+    def _stages(self) -> Stages:
         model, runners = self.model, self.model.runners
         config = model.config
-        return _Stages(
+        return Stages(
             llm=LLMStage(runners["llm"], model.llm_tables, config.llm),
             flow=FlowStage(
                 runners["flow_encoder"],
@@ -297,87 +313,6 @@ class CosyVoice:
                 config.flow,
             ),
             vocoder=VocoderStage(runners["hift"], config.hift),
-        )
-
-    def _generate(
-        self, segments: list[Segment], voice: Voice, rng: np.random.Generator
-    ) -> Iterator[AudioChunk]:
-        """The request loop: all of its state (sampler, rng) is local to this generator."""
-        stages = self._stages
-        sampler = RASSampler.from_config(self.model.config.llm, rng)
-        started = time.perf_counter()
-        done = 0
-        try:
-            for index, segment in enumerate(segments):
-                chunk = self._render(stages, segment, voice, sampler, rng, index, index == len(segments) - 1)
-                if index == 0:
-                    _LOGGER.debug("time to first audio: %.3f s", time.perf_counter() - started)
-                done += 1
-                yield chunk
-        finally:
-            _LOGGER.debug(
-                "request %s after %d of %d segments in %.3f s",
-                "finished" if done == len(segments) else "stopped",
-                done,
-                len(segments),
-                time.perf_counter() - started,
-            )
-
-    def _render(
-        self,
-        stages: _Stages,
-        segment: Segment,
-        voice: Voice,
-        sampler: RASSampler,
-        rng: np.random.Generator,
-        index: int,
-        is_last: bool,
-    ) -> AudioChunk:
-        """One segment: LLM speech tokens -> flow mel (full attention, one pass) -> vocoder."""
-        config = self.model.config
-        prompt_text_ids, prompt_speech_ids = llm_prompt(voice)
-        # The flow runs on prompt + new tokens; never let the LLM outgrow the fixed noise.
-        budget = self.model.flow_noise.shape[2] // config.token_mel_ratio - voice.speech_tokens.shape[0]
-        start = time.perf_counter()
-        stream = stages.llm.generate(
-            segment.ids, prompt_text_ids, prompt_speech_ids, sampler, max_new_tokens=budget
-        )
-        try:
-            tokens = np.fromiter(stream, dtype=np.int64)  # tokens: [n]
-        finally:
-            stream.close()
-        llm_done = time.perf_counter()
-        samples = np.zeros(0, np.float32)
-        flow_done = llm_done
-        if tokens.size:
-            mel = stages.flow.token2mel(
-                tokens[None],  # [1, n]
-                voice.speech_tokens.astype(np.int64)[None],  # [1, P]
-                voice.prompt_mel[None],  # [1, 2P, 80]
-                voice.speaker_embedding[None],  # [1, 192]
-                streaming=False,
-                finalize=True,
-            ).mel  # mel: [1, 80, 2n]
-            flow_done = time.perf_counter()
-            samples = stages.vocoder.render(mel, rng)[0]  # samples: [480 * 2n]
-        end = time.perf_counter()
-        audio_s = samples.shape[0] / config.sample_rate
-        timings = {
-            "llm_s": llm_done - start,
-            "flow_s": flow_done - llm_done,
-            "vocoder_s": end - flow_done,
-            "tokens": int(tokens.size),
-            "audio_s": audio_s,
-            "rtf": (end - start) / audio_s if audio_s > 0 else float("inf"),
-        }
-        _LOGGER.debug("segment %d: %s", index, ", ".join(f"{k}={v:.3g}" for k, v in timings.items()))
-        return AudioChunk(
-            samples=np.ascontiguousarray(samples, dtype=np.float32),
-            sample_rate=config.sample_rate,
-            index=index,
-            is_last=is_last,
-            timings=timings,
-            text=segment.text,
         )
 
 

@@ -1,0 +1,297 @@
+"""Streaming synthesis: the official hop schedule, golden parity of the scheduled path, the pipelined
+LLM worker (first audio before the LLM finishes, closing stops the work, worker errors reach the caller).
+
+Pure tests of ``HopSchedule`` are instant. End-to-end tests use ONNX Runtime engines of the golden
+tiny checkpoint, built once per session (the fixtures of tests/test_tts.py). The random tiny LLM
+practically never samples eos, so a text of n tokens gives exactly 20·n speech tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_tts import REF_TEXT, reference_wavs, tiny_engines
+
+from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
+from trt_cosy.pipeline import Stages, render_chunk
+from trt_cosy.runtime import graphs
+from trt_cosy.stages.flow import FlowStage
+from trt_cosy.stages.vocoder import VocoderCache, VocoderStage
+from trt_cosy.streaming import ChunkPlan, HopSchedule
+from trt_cosy.synthesis import llm_prompt, request_rngs
+from trt_cosy.verify.golden import GoldenSet
+
+WAV_TOLERANCE = 1e-3  # golden README §3: waveforms
+TEXT_100 = "Hi there."  # 5 text tokens -> 100 speech tokens on the tiny model
+TEXT_60 = "Hi."  # 3 text tokens -> 60 speech tokens
+ONE_SEGMENT = SynthesisConfig(stream=True, text_frontend=False)
+
+
+# ----------------------------------------------------------------------------- the schedule (pure)
+
+
+def _golden_chunks(golden: GoldenSet, name: str) -> list[ChunkPlan]:
+    return [
+        ChunkPlan(end=chunk["n_tokens_to_flow"], offset=chunk["token_offset"], final=chunk["flow_finalize"])
+        for chunk in golden.meta[name]["chunks"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def golden(v2_tiny_dir) -> GoldenSet:
+    return GoldenSet.load(v2_tiny_dir / "reference.npz")
+
+
+@pytest.mark.parametrize("name", ["stream", "streampad"])
+def test_schedule_reproduces_the_official_chunks(golden, name):
+    meta = golden.meta[name]
+    schedule = HopSchedule(meta["prompt_tokens"], stream=True)
+    plans = schedule.plan_all(meta["target_tokens"])
+    assert plans == _golden_chunks(golden, name)
+    assert all(plan.streaming != plan.final for plan in plans)
+
+
+def test_hops_grow_25_plus_pad_50_100_and_each_schedule_starts_again():
+    for prompt, pad in ((37, 13), (25, 0), (0, 0), (51, 24)):
+        plans = HopSchedule(prompt, stream=True).plan_all(25 + pad + 50 + 100 + 100 + 3 + 7)
+        hops = [plan.end - 3 - plan.offset for plan in plans[:-1]]
+        assert hops == [25 + pad, 50, 100, 100], (prompt, hops)
+        assert plans[-1] == ChunkPlan(end=25 + pad + 253 + 7, offset=25 + pad + 250, final=True)
+    # The official code keeps the grown hop on the model; a second request must not inherit it.
+    again = HopSchedule(37, stream=True).plan_all(100)
+    assert [plan.end for plan in again] == [41, 91, 100]
+
+
+def test_chunks_depend_on_the_token_count_only_not_on_arrival_timing():
+    whole = HopSchedule(12, stream=True).plan_all(250)
+    schedule, trickled = HopSchedule(12, stream=True), []
+    for available in range(251):
+        while (plan := schedule.next_chunk(available, finished=available == 250)) is not None:
+            trickled.append(plan)
+    assert trickled == whole
+    assert schedule.next_chunk(250, finished=True) is None
+
+
+def test_non_streaming_is_one_final_chunk_when_the_llm_ends():
+    schedule = HopSchedule(37, stream=False)
+    assert schedule.needed is None and schedule.next_chunk(500, finished=False) is None
+    assert schedule.next_chunk(500, finished=True) == ChunkPlan(end=500, offset=0, final=True)
+    short = HopSchedule(37, stream=True)
+    assert short.next_chunk(40, finished=True) == ChunkPlan(end=40, offset=0, final=True)
+
+
+# ----------------------------------------------------------------------------- golden parity
+
+
+def test_scheduled_render_reproduces_the_golden_stream_wav(golden, tiny_ort):
+    """HopSchedule + render_chunk (what a request runs) on the golden tokens and injected noise."""
+    model = tiny_ort.model
+    flow = FlowStage(
+        model.runners[graphs.FLOW_ENCODER.name],
+        model.runners[graphs.FLOW_ESTIMATOR.name],
+        model.runners[graphs.FLOW_ESTIMATOR_STREAM.name],
+        golden["flow_rand_noise"].astype(np.float32),
+        model.config.flow,
+    )
+    stages = Stages(None, flow, VocoderStage(model.runners[graphs.HIFT.name], model.config.hift))
+    for name in ("stream", "streampad"):
+        meta = golden.meta[name]
+        voice = SimpleNamespace(
+            speech_tokens=golden["in_prompt_speech_token"][0, : meta["prompt_tokens"]],
+            prompt_mel=golden["in_prompt_feat"][0, : meta["prompt_feat_frames"]],
+            speaker_embedding=golden["in_spk_embedding"][0],
+        )
+        tokens = golden[f"{name}_c{len(meta['chunks']) - 1}_flow_tokens"][0].astype(np.int64)
+        cache, pieces = VocoderCache(), []
+        for index, plan in enumerate(HopSchedule(meta["prompt_tokens"], stream=True).plan_all(tokens.size)):
+            noise = golden[f"{name}_c{index}_hift_sine_noise"].astype(np.float32)
+            samples, _, _ = render_chunk(stages, voice, tokens, plan, cache, noise, 2)
+            pieces.append(samples)
+        ours, theirs = np.concatenate(pieces), golden[f"{name}_wav"][0]
+        assert ours.shape == theirs.shape, name
+        error = float(np.abs(ours - theirs).max())
+        assert error <= WAV_TOLERANCE, f"{name}_wav max error {error:.3g}"
+
+
+# ----------------------------------------------------------------------------- end to end, tiny engines
+
+
+class CountingRunner:
+    """Counts ``infer`` calls; optionally blocks call number ``block_at`` until ``release`` is set."""
+
+    def __init__(self, inner, block_at: int | None = None, fail_at: int | None = None):
+        self.inner, self.name = inner, inner.name
+        self.calls = 0
+        self.block_at, self.fail_at = block_at, fail_at
+        self.blocked, self.release = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def input_names(self):
+        return self.inner.input_names
+
+    @property
+    def output_names(self):
+        return self.inner.output_names
+
+    def infer(self, feed):
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if call == self.block_at:
+            self.blocked.set()
+            self.release.wait(60)
+        if call == self.fail_at:
+            raise RuntimeError(f"{self.name} failed at call {call}")
+        return self.inner.infer(feed)
+
+
+def with_runners(tts: CosyVoice, **wrappers) -> CosyVoice:
+    """A CosyVoice on the same engines with some runners replaced (``name=runner``)."""
+    model = dataclasses.replace(tts.model, runners={**tts.model.runners, **wrappers})
+    return CosyVoice(model, tts.tokenizer, tts.voice_builder, tts.normalizer, tts.engine_config)
+
+
+def counting(tts: CosyVoice, **options) -> tuple[CosyVoice, dict[str, CountingRunner]]:
+    counters = {
+        name: CountingRunner(runner, **options.get(name, {})) for name, runner in tts.model.runners.items()
+    }
+    return with_runners(tts, **counters), counters
+
+
+def llm_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "trt-cosy-llm" and thread.is_alive()]
+
+
+def load_tiny_ort(factory: pytest.TempPathFactory, golden_dir) -> CosyVoice:
+    """CosyVoice on the tiny ORT engines (built once per session), one thread per graph."""
+    return CosyVoice.load(tiny_engines(factory, golden_dir), config=EngineConfig(threads=1))
+
+
+def make_tiny_voice(tts: CosyVoice, factory: pytest.TempPathFactory):
+    """A zero-shot voice from a 1.5 s reference: 37 prompt tokens, so the first hop is 25 + 13."""
+    wavs = reference_wavs(factory.mktemp("stream-wavs"))
+    return tts.voice_from_wav(wavs["ref"], REF_TEXT)
+
+
+@pytest.fixture(scope="module")
+def tiny_ort(tmp_path_factory, v2_tiny_dir) -> CosyVoice:
+    return load_tiny_ort(tmp_path_factory, v2_tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_voice(tiny_ort, tmp_path_factory):
+    return make_tiny_voice(tiny_ort, tmp_path_factory)
+
+
+def official_assembly(tts: CosyVoice, voice, text: str, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The official ``tts(stream=True)`` loop written out by hand on our stages (spec §6.1)."""
+    stages = tts._stages
+    llm_rng, vocoder_rng = request_rngs(seed)
+    from trt_cosy.stages.sampling import RASSampler
+
+    sampler = RASSampler.from_config(tts.model.config.llm, llm_rng)
+    ids = np.asarray(tts.tokenizer.encode(text), np.int64)
+    tokens = np.fromiter(stages.llm.generate(ids, *llm_prompt(voice), sampler), np.int64)  # [n]
+    prompt = voice.speech_tokens.shape[0]
+    pad = -(-prompt // 25) * 25 - prompt
+    offset, hop, cache, pieces = 0, 25, VocoderCache(), []
+    args = (voice.speech_tokens[None].astype(np.int64), voice.prompt_mel[None], voice.speaker_embedding[None])
+    while True:
+        this_hop = hop + pad if offset == 0 else hop
+        if tokens.size - offset < this_hop + 3:
+            break
+        mel = stages.flow.token2mel(
+            tokens[None, : offset + this_hop + 3], *args, streaming=True, finalize=False
+        ).mel
+        pieces.append(stages.vocoder.render(mel[:, :, 2 * offset :], vocoder_rng, cache, final=False)[0])
+        offset, hop = offset + this_hop, min(100, 2 * hop)
+    mel = stages.flow.token2mel(tokens[None], *args, streaming=False, finalize=True).mel
+    pieces.append(stages.vocoder.render(mel[:, :, 2 * offset :], vocoder_rng, cache, final=True)[0])
+    return pieces, tokens
+
+
+@pytest.mark.slow
+def test_streaming_equals_the_official_assembly_chunk_by_chunk(tiny_ort, tiny_voice):
+    chunks = list(tiny_ort.synthesize(TEXT_100, tiny_voice, seed=11, config=ONE_SEGMENT))
+    pieces, tokens = official_assembly(tiny_ort, tiny_voice, TEXT_100, seed=11)
+    assert tokens.size == 100 and len(chunks) == len(pieces) == 3
+    # Prompt 37 tokens -> pad 13: hops 38, 50, then the final 12 tokens.
+    assert [chunk.timings["tokens"] for chunk in chunks] == [38, 50, 12]
+    assert [chunk.samples.shape[0] for chunk in chunks] == [38 * 960 - 3840, 50 * 960, 12 * 960 + 3840]
+    for chunk, piece in zip(chunks, pieces, strict=True):
+        np.testing.assert_array_equal(chunk.samples, piece, err_msg=f"chunk {chunk.index}")
+    assert [chunk.is_last for chunk in chunks] == [False, False, True]
+    assert [chunk.index for chunk in chunks] == [0, 1, 2]
+    timings = chunks[-1].timings
+    assert timings["first_audio_s"] == chunks[0].timings["first_audio_s"] < timings["elapsed_s"]
+    assert timings["rtf"] == pytest.approx(timings["elapsed_s"] / (100 * 960 / 24000))
+
+
+@pytest.mark.slow
+def test_first_audio_arrives_while_the_llm_is_still_decoding(tiny_ort, tiny_voice):
+    """Structural TTFA: the LLM is held at its 42nd step; the first chunk (38 + 3 tokens) must still come."""
+    first_hop_tokens = 38 + 3
+    tts, counters = counting(tiny_ort, llm={"block_at": first_hop_tokens + 1})
+    llm = counters["llm"]
+    chunks = tts.synthesize(TEXT_100, tiny_voice, seed=2, config=ONE_SEGMENT)
+    try:
+        first = next(chunks)
+        assert llm.blocked.is_set() and not llm.release.is_set(), "first chunk came after the LLM went on"
+        assert llm.calls == first_hop_tokens + 1, llm.calls  # prefill + 40 steps done, step 41 held
+    finally:
+        llm.release.set()
+    rest = list(chunks)
+    total_tokens = first.timings["tokens"] + sum(chunk.timings["tokens"] for chunk in rest)
+    assert total_tokens == 100 and llm.calls == 100
+    # Non-streaming waits for all 100 tokens: here the first audio needed 41, a factor of ~2.4.
+    assert total_tokens / first_hop_tokens > 2.4
+    assert first.timings["first_audio_s"] < rest[-1].timings["elapsed_s"]
+
+
+@pytest.mark.slow
+def test_closing_the_generator_mid_utterance_stops_all_compute(tiny_ort, tiny_voice):
+    """The LLM is held at step 120 (in the second segment) while the consumer closes the request:
+    after the stop flag at most that one step runs, nothing else is rendered, the worker is joined."""
+    tts, counters = counting(tiny_ort, llm={"block_at": 120})
+    llm = counters["llm"]
+    text = "Hi there. Hello there."  # two segments, 200 speech tokens if run to the end
+    chunks = tts.synthesize(text, tiny_voice, seed=3, config=SynthesisConfig(stream=True))
+    first = next(chunks)
+    assert first.index == 0 and not first.is_last
+    assert llm.blocked.wait(30), "the LLM never reached step 120"
+    closer = threading.Thread(target=chunks.close)
+    closer.start()  # sets the stop flag, then joins the held worker
+    time.sleep(0.1)
+    llm.release.set()
+    closer.join(30)
+    assert not closer.is_alive() and not llm_threads()
+    at_close = {name: counter.calls for name, counter in counters.items()}
+    time.sleep(0.3)
+    assert {name: counter.calls for name, counter in counters.items()} == at_close
+    assert at_close["llm"] == 120 and at_close["hift"] == 1, at_close
+
+
+@pytest.mark.slow
+def test_an_error_in_the_llm_worker_reaches_the_consumer_and_stops_the_request(tiny_ort, tiny_voice):
+    tts, counters = counting(tiny_ort, llm={"fail_at": 50})
+    chunks = tts.synthesize(TEXT_100, tiny_voice, seed=4, config=ONE_SEGMENT)
+    with pytest.raises(RuntimeError, match="llm failed at call 50"):
+        for _ in chunks:
+            pass
+    assert not llm_threads()
+    assert counters["llm"].calls == 50 and counters["hift"].calls <= 1
+
+
+@pytest.mark.slow
+def test_non_streaming_is_one_full_attention_chunk_per_segment(tiny_ort, tiny_voice):
+    tts, counters = counting(tiny_ort)
+    (chunk,) = tts.synthesize(TEXT_60, tiny_voice, seed=5)
+    assert chunk.timings["tokens"] == 60 and chunk.samples.shape[0] == 60 * 960 and chunk.is_last
+    assert counters["hift"].calls == 1 and counters["flow_estimator_stream"].calls == 0
+    assert counters["flow_estimator"].calls == tiny_ort.model.config.flow.cfm.n_timesteps

@@ -1,0 +1,394 @@
+"""Stage threads of one request: the LLM decodes in a worker thread while the caller renders audio.
+
+``TokenFeed`` runs the speech LLM over every text segment of a request in its own thread and
+publishes the tokens; the request's generator (``CosyVoice.synthesize``) waits for as many tokens
+as the next chunk needs, renders flow + vocoder in the caller's thread, and yields. ONNX Runtime
+releases the GIL while a graph runs, so the LLM's next tokens are decoded while the flow and the
+vocoder render the previous chunk.
+
+Stopping: ``close()`` (called when the generator is closed, garbage-collected or fails) sets a
+stop flag that the worker checks between tokens, then joins it; at most one LLM step finishes after
+the flag is set. An exception in the worker is re-raised in the thread that waits for tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+import numpy as np
+
+from .stages.flow import FlowStage
+from .stages.llm import LLMStage
+from .stages.sampling import RASSampler
+from .stages.vocoder import VocoderCache, VocoderStage
+from .streaming import ChunkPlan, HopSchedule
+from .synthesis import AudioChunk, Segment, llm_prompt, request_rngs
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+    from .frontend.voice import Voice
+
+__all__ = ["TokenFeed", "Cancelled", "Stages", "Request", "render_chunk", "iterate_in_thread"]
+
+_LOGGER = logging.getLogger(__name__)
+_JOIN_WARN_S: Final = 30.0
+
+
+class Cancelled(Exception):
+    """The request was cancelled (``TokenFeed.close`` or ``cancel``) while its consumer waited."""
+
+
+class TokenFeed:
+    """Speech tokens of every segment of one request, decoded by a worker thread.
+
+    Args:
+        decode: ``segment index -> iterator of speech token ids`` (a fresh ``LLMStage.generate``).
+        segments: how many segments to decode, in order.
+        name: the worker thread's name (for logs and debuggers).
+    """
+
+    def __init__(self, decode: Callable[[int], Iterator[int]], segments: int, name: str = "trt-cosy-llm"):
+        self._decode = decode
+        self._tokens: list[list[int]] = [[] for _ in range(segments)]
+        self._finished = [False] * segments
+        self._llm_seconds = [0.0] * segments
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
+    def alive(self) -> bool:
+        """True while the worker thread runs."""
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        if not self.started:
+            self._thread.start()
+
+    def cancel(self) -> None:
+        """Ask the worker to stop after its current LLM step and wake any waiting consumer (thread-safe)."""
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Cancel and join the worker (idempotent)."""
+        self.cancel()
+        if self.started and self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_WARN_S)
+            if self._thread.is_alive():  # one LLM step should never take this long
+                _LOGGER.warning("LLM worker still running %.0f s after it was told to stop", _JOIN_WARN_S)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def finished_all(self) -> bool:
+        """The LLM has finished every segment."""
+        return all(self._finished)
+
+    def llm_seconds(self, segment: int) -> float:
+        """Seconds the worker has spent decoding ``segment`` so far."""
+        return self._llm_seconds[segment]
+
+    def wait(self, segment: int, count: int | None) -> tuple[np.ndarray, bool]:
+        """Block until ``segment`` has ``count`` tokens (None: until it is finished).
+
+        Returns (a copy of the segment's tokens so far, int64 [n]; whether the LLM finished it).
+
+        Raises:
+            Cancelled: the request was cancelled.
+            Exception: whatever the worker raised.
+        """
+        self.start()
+        with self._changed:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._stop.is_set():
+                    raise Cancelled("the request was cancelled")
+                tokens, finished = self._tokens[segment], self._finished[segment]
+                if finished or (count is not None and len(tokens) >= count):
+                    return np.asarray(tokens, dtype=np.int64), finished  # [n]
+                self._changed.wait()
+
+    def _run(self) -> None:
+        try:
+            for segment in range(len(self._tokens)):
+                if not self._decode_segment(segment):
+                    return
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            with self._changed:
+                self._error = exc
+                self._changed.notify_all()
+
+    def _decode_segment(self, segment: int) -> bool:
+        """Decode one segment; False when stopped early."""
+        started = time.perf_counter()
+        stream = self._decode(segment)
+        try:
+            for token in stream:
+                # Checked between tokens: a closed request costs at most one more LLM step.
+                if self._stop.is_set():
+                    return False
+                with self._changed:
+                    self._tokens[segment].append(int(token))
+                    self._llm_seconds[segment] = time.perf_counter() - started
+                    self._changed.notify_all()
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+        with self._changed:
+            self._finished[segment] = True
+            self._llm_seconds[segment] = time.perf_counter() - started
+            self._changed.notify_all()
+        return not self._stop.is_set()
+
+
+class Stages(NamedTuple):
+    """The stateless stages one engine shares between all its requests."""
+
+    llm: LLMStage
+    flow: FlowStage
+    vocoder: VocoderStage
+
+
+def render_chunk(
+    stages: Stages,
+    voice: Voice,
+    tokens: np.ndarray,
+    plan: ChunkPlan,
+    cache: VocoderCache,
+    rng: np.random.Generator | np.ndarray,
+    token_mel_ratio: int,
+) -> tuple[np.ndarray, float, float]:
+    """Flow + vocoder for one chunk (official ``token2wav``): (samples [N], flow s, vocoder s).
+
+    The flow reruns on prompt + ``tokens[:plan.end]`` (chunk attention unless final); the frames
+    from ``token_mel_ratio * plan.offset`` on are new and go to the vocoder with the request's cache.
+    ``rng`` draws the vocoder's NSF noise (or is that noise, as ``VocoderStage.render`` takes it).
+    """
+    if plan.end == 0:  # the LLM stopped at once: nothing to say
+        return np.zeros(0, np.float32), 0.0, 0.0
+    start = time.perf_counter()
+    mel = stages.flow.token2mel(
+        tokens[None, : plan.end],  # [1, end]
+        voice.speech_tokens.astype(np.int64)[None],  # [1, P]
+        voice.prompt_mel[None],  # [1, 2P, 80]
+        voice.speaker_embedding[None],  # [1, 192]
+        streaming=plan.streaming,
+        finalize=plan.final,
+    ).mel  # mel: [1, 80, 2 * (end - 3 unless final)]
+    mel = mel[:, :, token_mel_ratio * plan.offset :]  # mel: [1, 80, F]
+    flow_done = time.perf_counter()
+    samples = stages.vocoder.render(mel, rng, cache, final=plan.final)[0]  # samples: [N]
+    return samples, flow_done - start, time.perf_counter() - flow_done
+
+
+class Request:
+    """One synthesis request: every piece of per-request state, and its generator of chunks.
+
+    Args:
+        stages: the engine's shared stages.
+        config: the model config (token/mel ratio, chunk size, look-ahead, sample rate).
+        segments: the planned text segments.
+        voice: the (checked) voice.
+        seed: None for fresh entropy.
+        stream: the official streaming schedule (several chunks per segment) or one chunk per segment.
+        max_new_tokens: cap on speech tokens per segment (the flow's fixed noise must cover them).
+    """
+
+    def __init__(
+        self,
+        stages: Stages,
+        config: ModelConfig,
+        segments: list[Segment],
+        voice: Voice,
+        seed: int | None,
+        stream: bool,
+        max_new_tokens: int,
+    ):
+        self.stages, self.config, self.segments, self.voice = stages, config, segments, voice
+        self.stream = stream
+        self.max_new_tokens = max_new_tokens
+        llm_rng, self.vocoder_rng = request_rngs(seed)
+        self.sampler = RASSampler.from_config(config.llm, llm_rng)
+        self.feed = TokenFeed(self._decode, len(segments))
+        self.first_audio_s: float | None = None
+        self._audio_s = 0.0
+
+    def cancel(self) -> None:
+        """Stop the work soon, from any thread: the generator ends at its next wait for tokens."""
+        self.feed.cancel()
+
+    def _decode(self, index: int) -> Iterator[int]:
+        prompt_text_ids, prompt_speech_ids = llm_prompt(self.voice)
+        return self.stages.llm.generate(
+            self.segments[index].ids, prompt_text_ids, prompt_speech_ids, self.sampler, self.max_new_tokens
+        )
+
+    def chunks(self) -> Iterator[AudioChunk]:
+        """The request's audio (lazy: nothing runs until you iterate; closing it stops the work)."""
+        started = time.perf_counter()
+        count = 0
+        try:
+            for index in range(len(self.segments)):
+                for chunk in self._segment_chunks(index, started, count):
+                    count += 1
+                    yield chunk
+        except Cancelled:
+            _LOGGER.debug("request cancelled")
+        finally:
+            self.feed.close()
+            _LOGGER.debug(
+                "request %s after %d chunks, %.2f s of audio in %.3f s (first audio %s s)",
+                "finished" if self.feed.finished_all else "stopped",
+                count,
+                self._audio_s,
+                time.perf_counter() - started,
+                "-" if self.first_audio_s is None else f"{self.first_audio_s:.3f}",
+            )
+
+    def _segment_chunks(self, index: int, started: float, count: int) -> Iterator[AudioChunk]:
+        encoder = self.config.flow.encoder
+        schedule = HopSchedule(
+            self.voice.speech_tokens.shape[0],
+            self.stream,
+            encoder.static_chunk_size,
+            encoder.pre_lookahead_len,
+        )
+        cache = VocoderCache()
+        while True:
+            waited = time.perf_counter()
+            tokens, finished = self.feed.wait(index, schedule.needed)  # tokens: [n]
+            plan = schedule.next_chunk(tokens.size, finished)
+            if plan is None:  # cannot happen: wait returns when the next chunk is ready
+                continue
+            rendered = time.perf_counter()
+            samples, flow_s, vocoder_s = render_chunk(
+                self.stages, self.voice, tokens, plan, cache, self.vocoder_rng, self.config.token_mel_ratio
+            )
+            is_last = plan.final and index == len(self.segments) - 1
+            timings = self._timings(index, plan, samples, started, rendered - waited, flow_s, vocoder_s)
+            yield AudioChunk(
+                samples=np.ascontiguousarray(samples, dtype=np.float32),
+                sample_rate=self.config.sample_rate,
+                index=count,
+                is_last=is_last,
+                timings=timings,
+                text=self.segments[index].text,
+            )
+            count += 1
+            if plan.final:
+                return
+
+    def _timings(
+        self,
+        index: int,
+        plan: ChunkPlan,
+        samples: np.ndarray,
+        started: float,
+        wait_s: float,
+        flow_s: float,
+        vocoder_s: float,
+    ) -> dict[str, float]:
+        now = time.perf_counter()
+        audio_s = samples.shape[0] / self.config.sample_rate
+        self._audio_s += audio_s
+        if self.first_audio_s is None:
+            self.first_audio_s = now - started
+            _LOGGER.debug("time to first audio: %.3f s", self.first_audio_s)
+        new_tokens = (
+            plan.end - plan.offset - (0 if plan.final else self.config.flow.encoder.pre_lookahead_len)
+        )
+        timings = {
+            "llm_wait_s": wait_s,
+            "llm_s": self.feed.llm_seconds(index),
+            "flow_s": flow_s,
+            "vocoder_s": vocoder_s,
+            "tokens": float(new_tokens),
+            "audio_s": audio_s,
+            "first_audio_s": self.first_audio_s,
+            "elapsed_s": now - started,
+            "rtf": (now - started) / self._audio_s if self._audio_s > 0 else float("inf"),
+        }
+        _LOGGER.debug(
+            "segment %d chunk [%d, %d)%s: %s",
+            index,
+            plan.offset,
+            plan.end,
+            " final" if plan.final else "",
+            ", ".join(f"{key}={value:.3g}" for key, value in timings.items()),
+        )
+        return timings
+
+
+_DONE: Final = object()
+
+
+def _pump(
+    request: Request, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, slots: threading.Semaphore
+) -> None:
+    """Thread body of ``iterate_in_thread``: run the request's generator, hand chunks to the loop.
+
+    Only this thread touches the generator (closing a generator another thread runs would fail).
+    ``slots`` keeps the producer at most one chunk ahead of the consumer.
+    """
+
+    def put(item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            request.cancel()
+
+    chunks = request.chunks()
+    try:
+        while slots.acquire() and not request.feed.cancelled:
+            chunk = next(chunks, _DONE)
+            put(chunk)
+            if chunk is _DONE:
+                return
+    except BaseException as exc:  # handed to the consumer
+        put(exc)
+    finally:
+        chunks.close()
+
+
+async def iterate_in_thread(request: Request) -> AsyncIterator[AudioChunk]:
+    """The request's chunks for asyncio, computed in a worker thread.
+
+    Errors of the work are raised here; when the consumer stops (``aclose``, ``break`` with
+    ``contextlib.aclosing``, garbage collection) or its task is cancelled, the request is cancelled:
+    the LLM stops after its current token and the worker thread ends after the current chunk.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    slots = threading.Semaphore(1)
+    worker = threading.Thread(
+        target=_pump, args=(request, loop, queue, slots), name="trt-cosy-request", daemon=True
+    )
+    worker.start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            slots.release()
+            yield item
+    finally:
+        request.cancel()
+        slots.release()  # wake the pump if it waits for the consumer
