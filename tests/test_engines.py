@@ -303,5 +303,5 @@ def test_build_engines_script(tiny, capsys):
     spec.loader.exec_module(script)
     assert script.main(["--model-dir", str(release), "--out", str(engines)]) == 0
     assert "up to date" in capsys.readouterr().out
-    assert script.main(["--model-dir", str(release), "--out", str(engines), "--precision", "int4"]) == 2
+    assert script.main(["--model-dir", str(release), "--out", str(engines), "--precision", "int3"]) == 2
     assert "fp32" in capsys.readouterr().err

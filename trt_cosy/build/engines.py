@@ -35,6 +35,7 @@ from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..runtime.engines import FLOW_NOISE_NAME, MODEL_CONFIG_NAME, TABLE_NAMES, TOKENIZER_DIR
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord, hash_checkpoint
 from .export import OPSET, ExportResult, export_model, onnx_io_specs
+from .quantize import QUANTIZED_PRECISIONS, quantize_engines
 from .reference import load_torch_model
 
 __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
@@ -42,7 +43,7 @@ __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
 _LOGGER = logging.getLogger(__name__)
 
 BACKENDS: Final = ("onnxruntime",)
-PRECISIONS: Final = ("fp32",)
+PRECISIONS: Final = ("fp32", *QUANTIZED_PRECISIONS)
 _TOKENIZER_FILES: Final = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
 _REQUIRED_TOKENIZER_FILES: Final = ("vocab.json", "merges.txt")
 _FRONTEND_FILES: Final = ("campplus.onnx", "speech_tokenizer_v2.onnx")
@@ -72,7 +73,9 @@ def build_engines(
             ``CosyVoice-BlankEN/``, optionally ``campplus.onnx`` and ``speech_tokenizer_v2.onnx``).
         out_dir: the engines directory to create or replace.
         backend: only ``"onnxruntime"`` in this version.
-        precision: only ``"fp32"`` in this version.
+        precision: ``"fp32"``, or ``"int8"``/``"int4"`` (weight-only 8/4-bit LLM, int8 flow
+            estimators; see ``build.quantize`` and docs/precision.md). The reduced graphs replace the
+            fp32 ones after those passed the torch parity check.
         force: rebuild even when the manifest says the engines are current.
         progress: optional callback for progress lines.
     """
@@ -149,6 +152,8 @@ def _write_engines(
     emit(f"loading the checkpoint in {model_dir}")
     model = load_torch_model(model_dir)
     results = export_model(model, staging, progress=emit)
+    if precision != "fp32":
+        quantize_engines(staging, precision, progress=emit)
     for name in TABLE_NAMES:
         np.save(staging / f"{name}.npy", np.ascontiguousarray(model.llm_tables[name], dtype=np.float32))
     np.save(staging / FLOW_NOISE_NAME, np.ascontiguousarray(model.flow_noise, dtype=np.float32))

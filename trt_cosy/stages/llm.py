@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from typing import Final
+from typing import Final, Protocol
 
 import numpy as np
 
@@ -118,14 +118,13 @@ class LLMStage:
 
     def _decode(self, lm_input: np.ndarray, sampler: Sampler, min_len: int, max_len: int) -> Iterator[int]:
         eos, stop_tokens = self.config.eos_token, frozenset(self.config.stop_tokens)
-        past_keys, past_values = self._empty_cache()
+        decoder = self._decoder()
         inputs = lm_input  # inputs: [1, T, D]
         decoded: list[int] = []
         started = time.perf_counter()
         try:
             for step in range(max_len):
-                outputs = self._infer(inputs, past_keys, past_values)
-                logp = log_softmax(outputs["logits"][0, -1])  # logp: [V]
+                logp = log_softmax(decoder.step(inputs)[0, -1])  # logp: [V]
                 if step < min_len:
                     logp[eos] = -np.inf
                 token = int(sampler(logp, decoded))
@@ -134,7 +133,6 @@ class LLMStage:
                 yield token
                 decoded.append(token)
                 inputs = self.speech_embedding[token][None, None]  # inputs: [1, 1, D]
-                past_keys, past_values = outputs["present_keys"], outputs["present_values"]
         finally:
             elapsed = time.perf_counter() - started
             _LOGGER.debug(
@@ -155,15 +153,13 @@ class LLMStage:
         """Log-probs through the KV cache: row 0 after the prefill of ``prefix_embeds`` [1, L, D],
         row j >= 1 after feeding ``forced_tokens[j-1]``. Returns [1 + len(forced_tokens), V]."""
         forced = _as_ids(forced_tokens, "forced_tokens", self.config.speech_vocab_size)
-        past_keys, past_values = self._empty_cache()
+        decoder = self._decoder()
         inputs = np.asarray(prefix_embeds, dtype=np.float32)  # inputs: [1, L, D]
         rows = []
         for step in range(forced.size + 1):
-            outputs = self._infer(inputs, past_keys, past_values)
-            rows.append(log_softmax(outputs["logits"][0, -1]))  # [V]
+            rows.append(log_softmax(decoder.step(inputs)[0, -1]))  # [V]
             if step < forced.size:
                 inputs = self.speech_embedding[forced[step]][None, None]  # inputs: [1, 1, D]
-                past_keys, past_values = outputs["present_keys"], outputs["present_values"]
         return np.stack(rows)  # [1 + N, V]
 
     def _infer(
@@ -173,10 +169,39 @@ class LLMStage:
             {"inputs_embeds": inputs, "past_keys": past_keys, "past_values": past_values}
         )
 
-    def _empty_cache(self) -> tuple[np.ndarray, np.ndarray]:
+    def _cache_shape(self) -> tuple[int, ...]:
         qwen = self.config.qwen
-        shape = (qwen.num_layers, 1, qwen.num_kv_heads, 0, qwen.head_dim)  # [L, 1, H, 0, Dh]
+        return (qwen.num_layers, 1, qwen.num_kv_heads, 0, qwen.head_dim)  # [L, 1, H, 0, Dh]
+
+    def _empty_cache(self) -> tuple[np.ndarray, np.ndarray]:
+        shape = self._cache_shape()
         return np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
+
+    def _decoder(self) -> _Decoder:
+        """The runner's own KV decoder when it has one (ORT: cache kept in ORT values), else the
+        generic one that feeds each step's present cache back through ``infer``."""
+        factory = getattr(self.runner, "kv_decoder", None)
+        if factory is not None:
+            return factory(self._cache_shape())
+        return _FeedDecoder(self, self._cache_shape())
+
+
+class _Decoder(Protocol):
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray: ...
+
+
+class _FeedDecoder:
+    """Any Runner: the present cache of each step is fed back as the next past through ``infer``."""
+
+    def __init__(self, stage: LLMStage, cache_shape: tuple[int, ...]):
+        self._stage = stage
+        self._keys = np.zeros(cache_shape, dtype=np.float32)  # [L, 1, H, P, Dh]
+        self._values = np.zeros(cache_shape, dtype=np.float32)  # [L, 1, H, P, Dh]
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        outputs = self._stage._infer(inputs_embeds, self._keys, self._values)
+        self._keys, self._values = outputs["present_keys"], outputs["present_values"]
+        return outputs["logits"]  # [1, T, V]
 
 
 def _as_ids(ids: np.ndarray, name: str, limit: int) -> np.ndarray:

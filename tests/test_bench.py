@@ -1,0 +1,94 @@
+"""Smoke test of ``trt-cosy bench`` on the golden tiny engines: the report's shape, never its timings.
+
+The tiny engines are built once per session (shared with tests/test_export.py and test_engines.py
+through the pytest base temp).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trt_cosy.benchmark import BenchOptions, format_bench, main, run_bench
+from trt_cosy.build import engines as build_module
+from trt_cosy.build.testmodel import make_test_model
+from trt_cosy.errors import InputError
+
+pytestmark = pytest.mark.slow  # one shared tiny build per session, then a few seconds
+
+
+def _shared_tiny_engines(factory: pytest.TempPathFactory, golden_dir: Path) -> Path:
+    """Same layout and path as ``shared_tiny_engines`` in test_engines.py (a manifest-match skip if built)."""
+    base = factory.getbasetemp()
+    release = base / "tiny-release"
+    if not release.is_dir():
+        extras = make_test_model(base / "tiny-extras", size="tiny", seed=0, overwrite=True)
+        shutil.copytree(golden_dir, release, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json"))
+        for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
+            shutil.copy2(extras / name, release / name)
+        for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+            shutil.copy2(extras / "CosyVoice-BlankEN" / name, release / "CosyVoice-BlankEN" / name)
+    return build_module.build_engines(release, base / "tiny-engines")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, v2_tiny_dir) -> Path:
+    return _shared_tiny_engines(tmp_path_factory, v2_tiny_dir)
+
+
+def test_bench_report(engines):
+    options = BenchOptions(tokens=32, runs=2, warmup=1, stream=True, cold_start=True, threads=1)
+    lines = []
+    report = run_bench(engines, options, progress=lines.append)
+    assert len(lines) == 4  # 1 warm-up, 2 runs, the cold start
+    metrics = report["metrics"]
+    for key in ("llm_prefill_s", "llm_decode_tokens_per_s", "flow_s", "hift_s", "rtf", "first_audio_s"):
+        stats = metrics[key]
+        assert 0 < stats["min"] <= stats["median"] <= stats["max"], f"{key}: {stats}"
+    assert metrics["tokens"]["median"] == 32  # stop tokens are masked: exactly --tokens decoded
+    assert metrics["audio_s"]["median"] == pytest.approx(32 * 2 * 480 / 24000)
+    assert report["prefill_positions"] == 1 + 16 + 24 + 1 + 50
+    assert report["cold_start_s"]["median"] > 0 and report["peak_rss_gb"] > 0
+    assert report["precision"] == "fp32" and report["threads"] == 1
+    json.dumps(report)  # JSON-ready
+    assert "llm_decode_tokens_per_s" in format_bench(report)
+
+
+def test_bench_main_writes_json(engines, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = [
+        str(engines),
+        "--tokens",
+        "30",
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+        "--no-cold-start",
+        "--json",
+        str(out),
+    ]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["streaming"] == "not measured" and "cold_start_s" not in report
+    assert "rtf" in capsys.readouterr().out
+
+
+def test_bench_rejects_too_few_tokens(engines):
+    with pytest.raises(InputError, match="--tokens"):
+        run_bench(engines, BenchOptions(tokens=5, cold_start=False))
+
+
+def test_derived_int4_engines_bench_and_leave_fp32_untouched(engines, tmp_path):
+    from trt_cosy.build.quantize import derive_engines
+    from trt_cosy.runtime.manifest import Manifest
+
+    before = (engines / "manifest.json").read_bytes()
+    derived = derive_engines(engines, tmp_path / "int4", "int4")
+    assert (engines / "manifest.json").read_bytes() == before  # hard links are never written through
+    Manifest.read(derived).check(derived, precision="int4")
+    report = run_bench(derived, BenchOptions(tokens=30, runs=1, warmup=0, cold_start=False, threads=1))
+    assert report["precision"] == "int4" and report["metrics"]["tokens"]["median"] == 30

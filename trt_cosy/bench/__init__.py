@@ -1,0 +1,1 @@
+"""Benchmark helpers: the reduced-precision quality guard (``quality``)."""

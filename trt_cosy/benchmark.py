@@ -1,0 +1,360 @@
+"""``trt-cosy bench``: per-stage timings of an engines directory on synthetic inputs (numpy only).
+
+One run synthesises ``tokens`` speech tokens (250 = 10 s of audio) after a prefill of
+``[sos, prompt text, text, task, prompt speech]`` (16 + 24 text tokens and a 2 s / 50-token prompt by
+default: 92 positions, the scenario of the official figures in docs/benchmarks.md), then runs the flow
+on prompt + tokens and HiFT on the resulting mel. The LLM sampler is greedy with the stop tokens
+masked, so every run decodes exactly ``tokens`` tokens whatever the weights (random test models stop
+at random places otherwise). After ``warmup`` runs, ``runs`` runs are timed; each figure is reported
+as median, min and max.
+
+``stream`` adds the time to first audio of the official CosyVoice2 streaming schedule (spec §6.1):
+prefill, decode until ``25 + prompt_pad + 3`` tokens, a chunk-attention flow call on them and a
+non-final HiFT call. trt-cosy has no streaming synthesis API yet, so this is measured at stage level.
+Cold start is a fresh ``python -m trt_cosy.benchmark --ready`` process, from spawn until its engines
+are loaded and its stages built. Peak RSS is this process's maximum resident set.
+
+Never use these timings as test assertions: CI runs only a smoke run on the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from .errors import InputError
+from .runtime.engines import TOKENIZER_DIR, load_engines
+from .runtime.manifest import Manifest
+from .runtime.model import LoadedModel
+from .runtime.ort import default_threads
+from .stages.flow import FlowStage
+from .stages.llm import LLMStage
+from .stages.vocoder import VocoderCache, VocoderStage
+
+__all__ = ["BenchOptions", "run_bench", "format_bench", "main"]
+
+_LOGGER = logging.getLogger(__name__)
+_READY: Final = "ready"
+_TOKEN_HOP: Final = 25  # official token_hop_len (spec §6.1)
+_LOOKAHEAD: Final = 3
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``run_bench`` measures."""
+
+    tokens: int = 250
+    """Speech tokens to decode per run (25 per second of audio)."""
+    text: str | None = None
+    """Text to tokenise with the engines' tokenizer instead of 24 random text tokens."""
+    prompt_tokens: int = 50
+    """Prompt speech tokens (2 s); the prompt mel has twice as many frames."""
+    prompt_text_tokens: int = 16
+    runs: int = 3
+    warmup: int = 1
+    stream: bool = False
+    """Also measure the time to first audio of the streaming schedule."""
+    cold_start: bool = True
+    """Also time fresh processes from spawn to ready (one per run, at most 3)."""
+    threads: int | None = None
+    """Intra-op threads per session; None: physical cores."""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    text: np.ndarray  # [Nt]
+    prompt_text: np.ndarray  # [Np]
+    prompt_speech: np.ndarray  # [P]
+    prompt_feat: np.ndarray  # [1, 2P, 80]
+    embedding: np.ndarray  # [1, 192]
+
+
+class _Stages:
+    def __init__(self, model: LoadedModel):
+        runners, config = model.runners, model.config
+        self.llm = LLMStage(runners["llm"], model.llm_tables, config.llm)
+        self.flow = FlowStage(
+            runners["flow_encoder"],
+            runners["flow_estimator"],
+            runners["flow_estimator_stream"],
+            model.flow_noise,
+            config.flow,
+        )
+        self.vocoder = VocoderStage(runners["hift"], config.hift)
+        self.sample_rate = config.sample_rate
+
+
+def _no_stop_greedy(stop_tokens: Sequence[int]) -> Callable[[np.ndarray, Sequence[int]], int]:
+    stops = np.asarray(sorted(stop_tokens), dtype=np.int64)
+
+    def sample(logp: np.ndarray, decoded: Sequence[int]) -> int:
+        masked = logp.copy()  # masked: [V]
+        masked[stops[stops < masked.shape[0]]] = -np.inf
+        return int(np.argmax(masked))
+
+    return sample
+
+
+def _inputs(model: LoadedModel, engines_dir: Path, options: BenchOptions) -> _Inputs:
+    rng = np.random.default_rng(options.seed)
+    config = model.config
+    vocab = min(2048, config.llm.qwen.vocab_size)
+    if options.text is not None:
+        from .frontend.tokenizer import QwenTextTokenizer
+
+        text = np.asarray(
+            QwenTextTokenizer.from_dir(engines_dir / TOKENIZER_DIR).encode(options.text), np.int64
+        )
+    else:
+        text = rng.integers(0, vocab, 24)
+    feat = rng.normal(-5.0, 2.0, (1, 2 * options.prompt_tokens, config.flow.output_size))
+    return _Inputs(
+        text=text,
+        prompt_text=rng.integers(0, vocab, options.prompt_text_tokens),
+        prompt_speech=rng.integers(0, config.llm.speech_token_size, options.prompt_tokens),
+        prompt_feat=feat.astype(np.float32),
+        embedding=rng.standard_normal((1, config.flow.spk_embed_dim)).astype(np.float32),
+    )
+
+
+def _decode(stages: _Stages, inputs: _Inputs, tokens: int) -> tuple[np.ndarray, float, float]:
+    """(tokens, prefill seconds (to the first token), total seconds)."""
+    sampler = _no_stop_greedy(stages.llm.config.stop_tokens)
+    start = time.perf_counter()
+    stream = stages.llm.generate(inputs.text, inputs.prompt_text, inputs.prompt_speech, sampler, tokens)
+    out, first = [], 0.0
+    for token in stream:
+        if not out:
+            first = time.perf_counter() - start
+        out.append(token)
+    return np.asarray(out, np.int64), first, time.perf_counter() - start
+
+
+def _one_run(
+    stages: _Stages, inputs: _Inputs, options: BenchOptions, rng: np.random.Generator
+) -> dict[str, float]:
+    tokens, prefill, llm_s = _decode(stages, inputs, options.tokens)
+    start = time.perf_counter()
+    mel = stages.flow.token2mel(
+        tokens[None],
+        inputs.prompt_speech[None],
+        inputs.prompt_feat,
+        inputs.embedding,
+        streaming=False,
+        finalize=True,
+    ).mel  # mel: [1, 80, 2n]
+    flow_s = time.perf_counter() - start
+    start = time.perf_counter()
+    wav = stages.vocoder.render(mel, rng)  # wav: [1, 480 * 2n]
+    hift_s = time.perf_counter() - start
+    audio_s = wav.shape[1] / stages.sample_rate
+    decode_tokens = max(tokens.size - 1, 1)
+    result = {
+        "tokens": float(tokens.size),
+        "llm_prefill_s": prefill,
+        "llm_decode_tokens_per_s": decode_tokens / max(llm_s - prefill, 1e-9),
+        "llm_s": llm_s,
+        "flow_s": flow_s,
+        "hift_s": hift_s,
+        "total_s": llm_s + flow_s + hift_s,
+        "audio_s": audio_s,
+        "rtf": (llm_s + flow_s + hift_s) / audio_s,
+    }
+    if options.stream:
+        result["first_audio_s"] = _first_audio(stages, inputs, rng)
+    return result
+
+
+def _first_audio(stages: _Stages, inputs: _Inputs, rng: np.random.Generator) -> float:
+    """Seconds to the first streamed samples under the official schedule (spec §6.1)."""
+    prompt = inputs.prompt_speech.size
+    hop = _TOKEN_HOP + (math.ceil(prompt / _TOKEN_HOP) * _TOKEN_HOP - prompt)
+    start = time.perf_counter()
+    tokens, _, _ = _decode(stages, inputs, hop + _LOOKAHEAD)
+    mel = stages.flow.token2mel(
+        tokens[None],
+        inputs.prompt_speech[None],
+        inputs.prompt_feat,
+        inputs.embedding,
+        streaming=True,
+        finalize=False,
+    ).mel  # mel: [1, 80, 2 hop]
+    samples = stages.vocoder.render(mel, rng, VocoderCache(), final=False)  # [1, 480 * 2 hop - 3840]
+    elapsed = time.perf_counter() - start
+    if samples.size == 0:
+        raise InputError("the first streaming chunk produced no audio; use a longer --tokens.")
+    return elapsed
+
+
+def _summary(values: Sequence[float]) -> dict[str, float]:
+    array = np.asarray(values, dtype=np.float64)
+    return {"median": float(np.median(array)), "min": float(array.min()), "max": float(array.max())}
+
+
+def _cold_start(engines_dir: Path, threads: int | None) -> dict[str, float]:
+    """Spawn ``python -m trt_cosy.benchmark --ready``; seconds until it reports ready, and its RSS."""
+    command = [sys.executable, "-m", "trt_cosy.benchmark", "--ready", str(engines_dir)]
+    if threads is not None:
+        command += ["--threads", str(threads)]
+    start = time.perf_counter()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        line = child.stdout.readline()
+        elapsed = time.perf_counter() - start
+        _, stderr = child.communicate()
+    if not line.startswith(_READY):
+        raise InputError(f"the cold-start process failed: {stderr.strip()[-500:]}")
+    return {"seconds": elapsed, "rss_gb": float(line.split()[1])}
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss is in KiB on Linux
+
+
+def run_bench(
+    engines_dir: Path, options: BenchOptions | None = None, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Benchmark an engines directory; returns a JSON-ready dict (see the module docstring)."""
+    options = options or BenchOptions()
+    if options.tokens < _TOKEN_HOP + _LOOKAHEAD + 1 or options.runs < 1 or options.warmup < 0:
+        raise InputError(f"--tokens must be >= {_TOKEN_HOP + _LOOKAHEAD + 1}, --runs >= 1 and --warmup >= 0.")
+    emit = progress or (lambda message: None)
+    engines_dir = Path(engines_dir)
+    manifest = Manifest.read(engines_dir)
+    start = time.perf_counter()
+    model = load_engines(engines_dir, threads=options.threads)
+    stages = _Stages(model)
+    load_s = time.perf_counter() - start
+    inputs = _inputs(model, engines_dir, options)
+    rng = np.random.default_rng(options.seed)
+    runs = []
+    for index in range(options.warmup + options.runs):
+        label = "warm-up" if index < options.warmup else f"run {index - options.warmup + 1}/{options.runs}"
+        result = _one_run(stages, inputs, options, rng)
+        emit(f"{label}: " + ", ".join(f"{key} {value:.3g}" for key, value in result.items()))
+        if index >= options.warmup:
+            runs.append(result)
+    report = {
+        "engines": str(engines_dir),
+        "precision": manifest.precision,
+        "backend": manifest.backend,
+        "options": asdict(options),
+        "threads": options.threads or default_threads(),
+        "machine": _machine(),
+        "prefill_positions": int(2 + inputs.prompt_text.size + inputs.text.size + inputs.prompt_speech.size),
+        "load_in_process_s": load_s,
+        "metrics": {key: _summary([run[key] for run in runs]) for key in runs[0]},
+        "runs": runs,
+        "peak_rss_gb": _peak_rss_gb(),
+    }
+    if options.cold_start:
+        cold = [_cold_start(engines_dir, options.threads) for _ in range(min(options.runs, 3))]
+        report["cold_start_s"] = _summary([item["seconds"] for item in cold])
+        report["cold_start_rss_gb"] = _summary([item["rss_gb"] for item in cold])
+        emit(f"cold start: {report['cold_start_s']['median']:.2f} s")
+    report["streaming"] = "measured (stage-level official schedule)" if options.stream else "not measured"
+    return report
+
+
+def _machine() -> dict[str, Any]:
+    import os
+    import platform
+
+    import onnxruntime
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "gemm_gflops": _gemm_gflops(),
+        "cpu": platform.processor() or platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "onnxruntime": onnxruntime.__version__,
+        "load_average_1_5_15": [round(value, 2) for value in load],
+    }
+
+
+def _gemm_gflops(size: int = 1024, repeats: int = 5) -> float:
+    """numpy fp32 GEMM rate (best of ``repeats``): a load indicator on a shared machine."""
+    a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)  # a: [n, n]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def format_bench(report: dict[str, Any]) -> str:
+    """A plain-text table of the medians and spreads of ``run_bench``'s report."""
+    lines = [
+        f"engines {report['engines']} ({report['backend']}/{report['precision']}), {report['threads']} threads, "
+        f"load average {report['machine']['load_average_1_5_15']}, numpy GEMM "
+        f"{report['machine']['gemm_gflops']:.0f} GFLOP/s",
+        f"{'metric':28s} {'median':>10s} {'min':>10s} {'max':>10s}",
+    ]
+    for key, stats in report["metrics"].items():
+        lines.append(f"{key:28s} {stats['median']:10.3f} {stats['min']:10.3f} {stats['max']:10.3f}")
+    if "cold_start_s" in report:
+        stats = report["cold_start_s"]
+        lines.append(
+            f"{'cold_start_s':28s} {stats['median']:10.3f} {stats['min']:10.3f} {stats['max']:10.3f}"
+        )
+    lines.append(f"{'peak_rss_gb':28s} {report['peak_rss_gb']:10.3f}")
+    lines.append(f"streaming: {report['streaming']}")
+    return "\n".join(lines)
+
+
+def _ready(engines_dir: Path, threads: int | None) -> None:
+    """The cold-start child: load, build the stages, report ready with the RSS in GB."""
+    _Stages(load_engines(engines_dir, threads=threads))
+    print(f"{_READY} {_peak_rss_gb():.3f}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trt_cosy.benchmark ENGINES [--tokens N] [--runs N] [--stream] [--json OUT]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engines", type=Path)
+    parser.add_argument("--ready", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=250)
+    parser.add_argument("--text", default=None)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--no-cold-start", action="store_true")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.ready:
+        _ready(args.engines, args.threads)
+        return 0
+    options = BenchOptions(
+        tokens=args.tokens,
+        text=args.text,
+        runs=args.runs,
+        warmup=args.warmup,
+        stream=args.stream,
+        cold_start=not args.no_cold_start,
+        threads=args.threads,
+    )
+    report = run_bench(args.engines, options, progress=lambda message: print(message, file=sys.stderr))
+    print(format_bench(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

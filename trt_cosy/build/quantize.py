@@ -1,0 +1,275 @@
+"""Reduced-precision graphs for the ONNX Runtime backend: weight-only int4/int8 LLM, int8 flow.
+
+Applied by ``build_engines`` to the fp32 graphs of a staging directory (``quantize_engines``), after
+their export was checked against torch. What each precision changes (docs/precision.md):
+
+* ``int4``: LLM weights 4-bit (``MatMulNBits``, symmetric, block 32, int8 compute), flow estimators'
+  MatMul weights int8 (dynamic, per-channel); flow encoder and HiFT stay fp32.
+* ``int8``: the same with 8-bit LLM weights.
+
+Only MatMuls whose weight is a constant are quantised; RMSNorm/LayerNorm, softmax, attention scores,
+convolutions and the embedding tables stay fp32. Before quantising, the LLM's RMSNorms are rewritten
+from ``x * Reciprocal(Sqrt(.))`` into ``x / Sqrt(.)``, the form ONNX Runtime fuses into one
+``SimplifiedLayerNormalization`` node (49 nodes fewer per decode step at full size).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import onnx
+from onnx import helper
+
+from ..errors import InputError
+from ..runtime import graphs
+
+__all__ = [
+    "QUANTIZED_PRECISIONS",
+    "StagePlan",
+    "precision_plan",
+    "fuse_rms_norm",
+    "quantize_weights_nbits",
+    "quantize_matmul_int8",
+    "quantize_engines",
+    "derive_engines",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+QUANTIZED_PRECISIONS: Final = ("int8", "int4")
+_NBITS_BLOCK: Final = 32
+_INT8_COMPUTE: Final = 4  # MatMulNBits accuracy_level 4: int8 activations, integer dot products
+# Protobuf caps a file at 2 GiB; larger graphs keep their weights in <graph>.onnx.data.
+_EXTERNAL_DATA_BYTES: Final = 1 << 30
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How one graph is reduced: ``"fp32"`` (unchanged), ``"nbits4"``, ``"nbits8"`` or ``"int8"``."""
+
+    graph: str
+    method: str
+
+
+def precision_plan(precision: str) -> tuple[StagePlan, ...]:
+    """The per-graph methods of ``precision`` (``"fp32"``, ``"int8"`` or ``"int4"``)."""
+    if precision == "fp32":
+        return tuple(StagePlan(name, "fp32") for name in graphs.GRAPHS)
+    if precision not in QUANTIZED_PRECISIONS:
+        raise InputError(f"precision {precision!r} is unknown; use fp32, {', '.join(QUANTIZED_PRECISIONS)}.")
+    llm = "nbits4" if precision == "int4" else "nbits8"
+    methods = {
+        graphs.LLM.name: llm,
+        graphs.FLOW_ESTIMATOR.name: "int8",
+        graphs.FLOW_ESTIMATOR_STREAM.name: "int8",
+    }
+    return tuple(StagePlan(name, methods.get(name, "fp32")) for name in graphs.GRAPHS)
+
+
+def fuse_rms_norm(model: onnx.ModelProto) -> int:
+    """Rewrite ``Mul(x, Reciprocal(Sqrt(v)))`` as ``Div(x, Sqrt(v))`` in place; return how many.
+
+    The exported RMSNorm uses ``rsqrt``; ONNX Runtime's SimplifiedLayerNormFusion only matches the
+    ``Div`` form. The two differ by float rounding only.
+    """
+    nodes = model.graph.node
+    producers = {output: node for node in nodes for output in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    rewrites = []
+    for node in nodes:
+        source = producers.get(node.input[0]) if node.op_type == "Reciprocal" else None
+        users = consumers.get(node.output[0], []) if source is not None else []
+        if source is None or source.op_type != "Sqrt" or len(users) != 1 or users[0].op_type != "Mul":
+            continue
+        mul = users[0]
+        other = mul.input[1] if mul.input[0] == node.output[0] else mul.input[0]
+        rewrites.append(
+            (
+                node,
+                mul,
+                helper.make_node("Div", [other, node.input[0]], list(mul.output), name=f"{mul.name}_div"),
+            )
+        )
+    for reciprocal, mul, div in rewrites:
+        index = list(nodes).index(mul)
+        nodes.insert(index, div)
+        nodes.remove(mul)
+        nodes.remove(reciprocal)
+    return len(rewrites)
+
+
+def _constant_matmuls(model: onnx.ModelProto) -> list[str]:
+    initializers = {init.name for init in model.graph.initializer}
+    return [
+        node.name for node in model.graph.node if node.op_type == "MatMul" and node.input[1] in initializers
+    ]
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    """Save ``model`` to ``path``, with its weights in ``<path>.data`` when they are large."""
+    path = Path(path)
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    external = model.ByteSize() > _EXTERNAL_DATA_BYTES
+    onnx.save(
+        model, str(path), save_as_external_data=external, location=data.name, all_tensors_to_one_file=True
+    )
+
+
+def quantize_weights_nbits(source: Path, target: Path, bits: int, block_size: int = _NBITS_BLOCK) -> int:
+    """Weight-only ``bits``-bit quantisation (4 or 8) of every constant-weight MatMul into
+    ``MatMulNBits`` (symmetric blocks of ``block_size`` along K, int8 compute); RMSNorms are fused
+    first. Returns the number of quantised MatMuls."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(source))
+    fused = fuse_rms_norm(model)
+    count = len(_constant_matmuls(model))
+    quantizer = MatMulNBitsQuantizer(
+        model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=_INT8_COMPUTE
+    )
+    with _quiet("onnxruntime.quantization"):
+        quantizer.process()
+    _save(quantizer.model.model, target)
+    _LOGGER.info("%s: %d MatMuls -> MatMulNBits(%d bits), %d RMSNorms fused", source.name, count, bits, fused)
+    return count
+
+
+def quantize_matmul_int8(source: Path, target: Path) -> int:
+    """Dynamic int8 quantisation of the constant-weight MatMuls only (per-channel int8 weights,
+    activations quantised at run time); everything else stays fp32. Returns the count."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    nodes = _constant_matmuls(onnx.load(str(source), load_external_data=False))
+    with _quiet("root"):
+        quantize_dynamic(
+            str(source),
+            str(target),
+            op_types_to_quantize=["MatMul"],
+            nodes_to_quantize=nodes,
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            extra_options={"MatMulConstBOnly": True},
+        )
+    _LOGGER.info("%s: %d MatMuls -> dynamic int8", source.name, len(nodes))
+    return len(nodes)
+
+
+class _quiet:
+    """Hold a chatty logger (ORT's quantisers log one line per node) at WARNING unless we log at DEBUG."""
+
+    def __init__(self, name: str):
+        self._logger = logging.getLogger(name if name != "root" else None)
+        self._level = self._logger.level
+
+    def __enter__(self) -> None:
+        if not _LOGGER.isEnabledFor(logging.DEBUG):
+            self._logger.setLevel(max(self._level, logging.ERROR))
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.setLevel(self._level)
+
+
+def quantize_engines(directory: Path, precision: str, progress: Progress | None = None) -> dict[str, str]:
+    """Replace the fp32 graphs ``<directory>/<graph>.onnx`` by their ``precision`` versions in place.
+
+    Returns ``{graph: method}`` for every graph (``"fp32"`` where unchanged).
+    """
+    directory = Path(directory)
+    methods = {}
+    for plan in precision_plan(precision):
+        methods[plan.graph] = plan.method
+        if plan.method == "fp32":
+            continue
+        path = directory / f"{plan.graph}.onnx"
+        staged = directory / f".{plan.graph}.{plan.method}.onnx"
+        start = time.perf_counter()
+        if plan.method.startswith("nbits"):
+            count = quantize_weights_nbits(path, staged, bits=int(plan.method.removeprefix("nbits")))
+        else:
+            count = quantize_matmul_int8(path, staged)
+        path.with_name(path.name + ".data").unlink(missing_ok=True)
+        staged.replace(path)
+        staged_data = staged.with_name(staged.name + ".data")
+        if staged_data.exists():
+            _relocate_external_data(path, staged_data)
+        message = (
+            f"{plan.graph}: {count} MatMul weights -> {plan.method} in {time.perf_counter() - start:.1f} s"
+        )
+        _LOGGER.info("%s", message)
+        if progress is not None:
+            progress(message)
+    return methods
+
+
+def _relocate_external_data(path: Path, data: Path) -> None:
+    """Point the graph at ``<path>.data`` after its file was renamed."""
+    model = onnx.load(str(path), load_external_data=False)
+    target = path.with_name(path.name + ".data")
+    data.replace(target)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = target.name
+    onnx.save(model, str(path))
+
+
+def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Progress | None = None) -> Path:
+    """Make ``precision`` engines from an existing fp32 engines directory, without re-exporting.
+
+    The fp32 directory is copied (hard links where possible) to a staging directory next to
+    ``out_dir``, its graphs are quantised in place, the manifest gets the new precision and file
+    sizes, and the result is renamed to ``out_dir`` (which must not exist).
+    """
+    import dataclasses
+    import os
+    import shutil
+    import tempfile
+
+    from ..runtime.manifest import MANIFEST_NAME, Manifest
+
+    fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
+    manifest = Manifest.read(fp32_dir)
+    if manifest.precision != "fp32":
+        raise InputError(f"{fp32_dir} holds {manifest.precision} engines; derive from fp32 engines.")
+    if out_dir.exists():
+        raise InputError(f"{out_dir} exists; choose a new directory for the {precision} engines.")
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        shutil.copytree(fp32_dir, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
+        quantize_engines(staging, precision, progress)
+        files = {
+            path.relative_to(staging).as_posix(): path.stat().st_size
+            for path in sorted(staging.rglob("*"))
+            if path.is_file() and path.name != MANIFEST_NAME
+        }
+        (staging / MANIFEST_NAME).unlink()  # a hard link to the fp32 manifest: never write through it
+        dataclasses.replace(manifest, precision=precision, files=files).write(staging)
+        os.chmod(staging, 0o755)
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    import os
+    import shutil
+
+    if source.endswith(".data"):  # onnx refuses to read external data through a hard link
+        shutil.copy2(source, target)
+        return
+    try:
+        os.link(source, target)  # quantize_engines replaces graphs by rename, never writes into a link
+    except OSError:
+        shutil.copy2(source, target)
