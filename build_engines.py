@@ -8,43 +8,23 @@ Needs the ``build`` extra (torch, onnx, onnxscript): ``pip install 'trt-cosy[bui
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+
+import click
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", required=True, type=Path, help="official release directory")
-    parser.add_argument("--out", required=True, type=Path, help="engines directory to create or replace")
-    parser.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
-    parser.add_argument("--precision", default="fp32", help="engine precision (default: fp32)")
-    parser.add_argument("--force", action="store_true", help="rebuild even when the engines are up to date")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug logging")
-    args = parser.parse_args(argv)
-    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    from trt_cosy.errors import TrtCosyError, require
+    """Same options and behaviour as `trt-cosy build` (this script only forwards to it)."""
+    from trt_cosy.cli import main as cli_main
 
     try:
-        require("torch", "build")
-        from trt_cosy.build.engines import build_engines
-
-        out = build_engines(
-            args.model_dir,
-            args.out,
-            backend=args.backend,
-            precision=args.precision,
-            force=args.force,
-            progress=None if args.verbose else print,
-        )
-    except TrtCosyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        cli_main(["build", *(sys.argv[1:] if argv is None else argv)], standalone_mode=False)
+    except SystemExit as exc:  # TrtCosyError is reported by the CLI and exits 2
+        return int(exc.code or 0)
+    except click.exceptions.ClickException as exc:  # usage errors
+        exc.show()
         return 2
-    print(f"engines ready in {out}")
     return 0
 
 

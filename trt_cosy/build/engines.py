@@ -42,8 +42,11 @@ __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
 
 _LOGGER = logging.getLogger(__name__)
 
-BACKENDS: Final = ("onnxruntime",)
+BACKENDS: Final = ("onnxruntime", "tensorrt")
 PRECISIONS: Final = ("fp32", *QUANTIZED_PRECISIONS)
+# TensorRT builds strongly typed plans from fp16 (or fp32) ONNX graphs; quantised CPU graphs do not apply.
+TRT_PRECISIONS: Final = ("fp16", "fp32")
+_PLANS_DIR: Final = "plans"
 _TOKENIZER_FILES: Final = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
 _REQUIRED_TOKENIZER_FILES: Final = ("vocab.json", "merges.txt")
 _FRONTEND_FILES: Final = ("campplus.onnx", "speech_tokenizer_v2.onnx")
@@ -59,6 +62,7 @@ def build_engines(
     precision: str = "fp32",
     force: bool = False,
     progress: Progress | None = None,
+    onnx_only: bool = False,
 ) -> Path:
     """Export an official CosyVoice2 release to an engines directory and return its path.
 
@@ -78,8 +82,14 @@ def build_engines(
             fp32 ones after those passed the torch parity check.
         force: rebuild even when the manifest says the engines are current.
         progress: optional callback for progress lines.
+        onnx_only: with ``backend="tensorrt"``, write the fp16 graphs, profiles and manifest but no
+            plans (for a machine without a GPU; plans are built later where TensorRT runs).
     """
     _check_options(backend, precision)
+    if backend == "tensorrt" and not onnx_only:
+        from ..runtime.trt import load_tensorrt
+
+        load_tensorrt()  # fail before a long export when plans cannot be built here
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     emit = _emitter(progress)
     start = time.perf_counter()
@@ -88,7 +98,7 @@ def build_engines(
         emit(
             f"engines in {out_dir} are up to date with {model_dir}; nothing to build (use --force to rebuild)"
         )
-        return out_dir
+        return _finish_tensorrt(out_dir, backend, force, onnx_only, emit)
     _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
@@ -99,6 +109,20 @@ def build_engines(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     emit(f"built {backend}/{precision} engines in {out_dir} in {time.perf_counter() - start:.1f} s")
+    return _finish_tensorrt(out_dir, backend, force, onnx_only, emit)
+
+
+def _finish_tensorrt(out_dir: Path, backend: str, force: bool, onnx_only: bool, emit: Progress) -> Path:
+    """TensorRT plans are per GPU and TensorRT version: (re)built here unless ``onnx_only``."""
+    if backend != "tensorrt":
+        return out_dir
+    if onnx_only:
+        emit(f"wrote TensorRT inputs (fp16 graphs, profiles) to {out_dir}; TensorRT is needed for plans: "
+             f"run `python -m trt_cosy.build.tensorrt {out_dir}` on a machine with an NVIDIA GPU")
+        return out_dir
+    from .tensorrt import build_plans
+
+    build_plans(out_dir, force=force, progress=emit)
     return out_dir
 
 
@@ -107,10 +131,11 @@ def _check_options(backend: str, precision: str) -> None:
         raise InputError(
             f"backend {backend!r} cannot be built by this version; available: {', '.join(BACKENDS)}."
         )
-    if precision not in PRECISIONS:
+    allowed = TRT_PRECISIONS if backend == "tensorrt" else PRECISIONS
+    if precision not in allowed:
         raise InputError(
             f"precision {precision!r} is not available for the {backend} backend; available: "
-            f"{', '.join(PRECISIONS)}."
+            f"{', '.join(allowed)}."
         )
 
 
@@ -152,7 +177,11 @@ def _write_engines(
     emit(f"loading the checkpoint in {model_dir}")
     model = load_torch_model(model_dir)
     results = export_model(model, staging, progress=emit)
-    if precision != "fp32":
+    if backend == "tensorrt":
+        from .tensorrt import prepare_trt_graphs
+
+        prepare_trt_graphs(staging, model.config, hashes, precision, progress=emit)
+    elif precision != "fp32":
         quantize_engines(staging, precision, progress=emit)
     for name in TABLE_NAMES:
         np.save(staging / f"{name}.npy", np.ascontiguousarray(model.llm_tables[name], dtype=np.float32))
@@ -224,7 +253,8 @@ def _file_sizes(root: Path) -> dict[str, int]:
     return {
         path.relative_to(root).as_posix(): path.stat().st_size
         for path in sorted(root.rglob("*"))
-        if path.is_file() and path.name != MANIFEST_NAME
+        # plans/ is per GPU and TensorRT version and has its own records (build.tensorrt)
+        if path.is_file() and path.name != MANIFEST_NAME and path.relative_to(root).parts[0] != _PLANS_DIR
     }
 
 

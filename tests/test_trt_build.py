@@ -1,0 +1,64 @@
+"""`trt-cosy build --backend tensorrt`: without a GPU, --onnx-only writes the TensorRT inputs, the plain
+command says that TensorRT is needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from trt_cosy.cli import main
+from trt_cosy.runtime.cuda import gpu_unavailable_reason
+
+pytest.importorskip("torch", reason="building engines needs the [build] extra")
+
+GRAPHS = ("llm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "hift")
+
+
+@pytest.fixture(scope="module")
+def tiny_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trt_cosy.build.testmodel import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("trt-release") / "tiny")
+
+
+@pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU is present: the plain build would make plans")
+def test_plain_tensorrt_build_says_tensorrt_is_needed(tiny_release: Path, tmp_path: Path) -> None:
+    out = tmp_path / "engines"
+    result = CliRunner().invoke(main, ["build", "--model-dir", str(tiny_release), "--out", str(out),
+                                       "--backend", "tensorrt"])
+    assert result.exit_code == 2
+    assert "TensorRT" in result.output and "trt-cosy[gpu]" in result.output
+    assert not out.exists(), "nothing may be written when plans cannot be built"
+
+
+@pytest.mark.slow
+def test_onnx_only_writes_fp16_graphs_profiles_and_manifest(tiny_release: Path, tmp_path: Path) -> None:
+    import onnx
+
+    out = tmp_path / "engines"
+    result = CliRunner().invoke(main, ["build", "--model-dir", str(tiny_release), "--out", str(out),
+                                       "--backend", "tensorrt", "--onnx-only"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["backend"] == "tensorrt" and manifest["precision"] == "fp16"
+    for graph in GRAPHS:
+        model = onnx.load(str(out / f"{graph}.fp16.onnx"), load_external_data=False)
+        dtypes = {init.data_type for init in model.graph.initializer}
+        assert onnx.TensorProto.FLOAT16 in dtypes, f"{graph}: no fp16 weights"
+        assert f"{graph}.fp16.onnx" in manifest["files"]
+    profiles = json.loads((out / "profiles.json").read_text())
+    assert set(GRAPHS) <= set(profiles if isinstance(profiles, dict) else {})
+    summary = json.loads((out / "tensorrt.json").read_text())
+    for graph in GRAPHS:
+        errors = summary["graphs"][graph]
+        assert errors, graph
+    assert not (out / "plans").exists()
+    # rerun is a manifest-match skip
+    again = CliRunner().invoke(main, ["build", "--model-dir", str(tiny_release), "--out", str(out),
+                                      "--backend", "tensorrt", "--onnx-only"])
+    assert again.exit_code == 0 and "up to date" in again.output
+    assert np.load(out / "flow_noise.npy", mmap_mode="r").shape == (1, 80, 15000)
