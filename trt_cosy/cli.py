@@ -41,9 +41,12 @@ def main(verbose: int) -> None:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Engines directory to write (e.g. engines/cosyvoice2/onnxruntime-fp32).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True)
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default=None,
+              help="Default: fp32 for onnxruntime (parity first; int8/int4 are faster), fp16 for tensorrt.")
 @click.option("--force", is_flag=True, help="Rebuild even when the manifest says nothing changed.")
-def build(model_dir: Path, out_dir: Path, backend: str, precision: str, force: bool) -> None:
+@click.option("--onnx-only", is_flag=True,
+              help="TensorRT: write fp16 graphs, profiles and manifest only (no GPU needed); plans come later.")
+def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, force: bool, onnx_only: bool) -> None:
     """Export the official checkpoint to ONNX per stage and build engines for a backend."""
     from .errors import require
 
@@ -51,8 +54,9 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str, force: b
     require("onnx", "build")
     from .build.engines import build_engines
 
+    precision = precision or ("fp16" if backend == "tensorrt" else "fp32")
     path = build_engines(model_dir, out_dir, backend=backend, precision=precision, force=force,
-                         progress=lambda message: click.echo(message, err=True))
+                         progress=lambda message: click.echo(message, err=True), onnx_only=onnx_only)
     click.echo(f"engines ready in {path}")
 
 
@@ -178,6 +182,16 @@ def _engine_options(command):
     help="A voice file from `trt-cosy voices save` (instead of --ref).",
 )
 @click.option(
+    "--speaker",
+    default=None,
+    help="A preset speaker (CosyVoice-300M-SFT/-Instruct; see `trt-cosy voices list`).",
+)
+@click.option(
+    "--instruct",
+    default=None,
+    help="How to speak: with --speaker for CosyVoice-300M-Instruct, with --ref/--voice for CosyVoice2/3.",
+)
+@click.option(
     "-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output wav."
 )
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
@@ -192,25 +206,30 @@ def say(
     ref: Path | None,
     ref_text: str | None,
     voice_file: Path | None,
+    speaker: str | None,
+    instruct: str | None,
     out: Path,
     seed: int | None,
     stream: bool,
     play: bool,
 ) -> None:
-    """Speak TEXT in the voice of --ref (or --voice) into a wav file (written atomically)."""
+    """Speak TEXT in the voice of --ref, --voice or --speaker into a wav file (written atomically)."""
     from .frontend.voice import Voice
     from .synthesis import AudioPlayer, SynthesisConfig, write_audio
 
-    _check_one_of(ref=ref, voice=voice_file)
-    if ref is None and voice_file is None:
-        raise click.UsageError("pass --ref ref.wav (with --ref-text for zero-shot) or --voice voice.npz.")
+    _check_one_of(ref=ref, voice=voice_file, speaker=speaker)
+    if ref is None and voice_file is None and speaker is None:
+        raise click.UsageError(
+            "pass --ref ref.wav (with --ref-text for zero-shot), --voice voice.npz or --speaker NAME."
+        )
     if ref_text is not None and ref is None:
         raise click.UsageError("--ref-text goes with --ref.")
-    voice = Voice.load(voice_file) if voice_file is not None else None
+    config = SynthesisConfig(stream=stream, instruct=instruct)
+    voice = Voice.load(voice_file) if voice_file is not None else speaker
     tts = _load_tts(engines, model_dir, source, threads)
     if voice is None:
         voice = tts.voice_from_wav(ref, ref_text)
-    chunks = tts.synthesize(text, voice, seed=seed, config=SynthesisConfig(stream=stream))
+    chunks = tts.synthesize(text, voice, seed=seed, config=config)
     player = AudioPlayer.open(tts.sample_rate) if play else None
     if play and player is None:
         _progress("--play: no audio player found (aplay, paplay or ffplay); writing the file only")
@@ -271,6 +290,20 @@ def voices_save(
     click.echo(f"wrote {mode} voice ({voice.speech_tokens.shape[0]} prompt tokens) to {out}")
 
 
+@voices.command("list")
+@_engine_options
+def voices_list(engines: Path | None, model_dir: Path | None, source: str, threads: int | None) -> None:
+    """Print the model's preset speakers, one per line (for `trt-cosy say --speaker NAME`)."""
+    tts = _load_tts(engines, model_dir, source, threads)
+    if not tts.speakers:
+        _progress(
+            "this model has no preset speakers (only CosyVoice-300M-SFT/-Instruct have them); "
+            "make voices with `trt-cosy voices save --ref ref.wav`"
+        )
+    for name in tts.speakers:
+        click.echo(name)
+
+
 @main.command()
 @click.argument("name", default="CosyVoice2-0.5B")
 @click.option("--source", type=click.Choice(_SOURCES), default="huggingface", show_default=True)
@@ -325,6 +358,33 @@ def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads:
     )
     click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
     run_server(tts, settings)
+
+
+@main.command()
+@click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Engines directory to measure (trt-cosy build --out).")
+@click.option("--tokens", type=int, default=250, show_default=True, help="Speech tokens per run (25 per second of audio).")
+@click.option("--text", default=None, help="Text to tokenise instead of 24 random text tokens.")
+@click.option("--stream", is_flag=True, help="Also time the first audio of the official streaming schedule.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Timed runs (medians and spread).")
+@click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs first.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads per session (default: physical cores).")
+@click.option("--no-cold-start", is_flag=True, help="Do not time fresh processes from start to ready.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the full report as JSON.")
+def bench(engines: Path, tokens: int, text: str | None, stream: bool, runs: int, warmup: int,
+          threads: int | None, no_cold_start: bool, json_out: Path | None) -> None:
+    """Time LLM prefill/decode, flow, HiFT, RTF, first audio, cold start and peak RSS of an engines directory."""
+    import json
+
+    from .benchmark import BenchOptions, format_bench, run_bench
+
+    options = BenchOptions(tokens=tokens, text=text, stream=stream, runs=runs, warmup=warmup, threads=threads,
+                           cold_start=not no_cold_start)
+    report = run_bench(engines, options, progress=_progress)
+    click.echo(format_bench(report))
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":  # pragma: no cover

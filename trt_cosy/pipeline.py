@@ -27,7 +27,7 @@ from .stages.llm import LLMStage
 from .stages.sampling import RASSampler
 from .stages.vocoder import VocoderCache, VocoderStage
 from .streaming import ChunkPlan, HopSchedule
-from .synthesis import AudioChunk, Segment, llm_prompt, request_rngs
+from .synthesis import AudioChunk, LLMPrompt, Segment, llm_prompt, request_rngs
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -200,6 +200,11 @@ def render_chunk(
 class Request:
     """One synthesis request: every piece of per-request state, and its generator of chunks.
 
+    This is the CosyVoice2 request; the other families (``trt_cosy.pipeline_families``) override
+    the hooks ``_decode`` (speech tokens of a segment), ``_schedule`` (where chunks fall),
+    ``_new_state`` (per-segment vocoder state), ``_render`` (flow + vocoder of one chunk) and
+    ``_new_tokens`` (tokens a chunk speaks).
+
     Args:
         stages: the engine's shared stages.
         config: the model config (token/mel ratio, chunk size, look-ahead, sample rate).
@@ -208,6 +213,8 @@ class Request:
         seed: None for fresh entropy.
         stream: the official streaming schedule (several chunks per segment) or one chunk per segment.
         max_new_tokens: cap on speech tokens per segment (the flow's fixed noise must cover them).
+        prompt: what the LLM gets besides the text (spec §2.4); None: ``llm_prompt(voice)``
+            (zero-shot with a transcript, else cross-lingual).
     """
 
     def __init__(
@@ -219,10 +226,12 @@ class Request:
         seed: int | None,
         stream: bool,
         max_new_tokens: int,
+        prompt: LLMPrompt | None = None,
     ):
         self.stages, self.config, self.segments, self.voice = stages, config, segments, voice
         self.stream = stream
         self.max_new_tokens = max_new_tokens
+        self.prompt = prompt if prompt is not None else LLMPrompt(*llm_prompt(voice))
         llm_rng, self.vocoder_rng = request_rngs(seed)
         self.sampler = RASSampler.from_config(config.llm, llm_rng)
         self.feed = TokenFeed(self._decode, len(segments))
@@ -234,9 +243,10 @@ class Request:
         self.feed.cancel()
 
     def _decode(self, index: int) -> Iterator[int]:
-        prompt_text_ids, prompt_speech_ids = llm_prompt(self.voice)
+        """The speech tokens of segment ``index`` (lazy; runs in the LLM worker thread)."""
+        prompt = self.prompt
         return self.stages.llm.generate(
-            self.segments[index].ids, prompt_text_ids, prompt_speech_ids, self.sampler, self.max_new_tokens
+            self.segments[index].ids, prompt.text_ids, prompt.speech_ids, self.sampler, self.max_new_tokens
         )
 
     def chunks(self) -> Iterator[AudioChunk]:
@@ -261,15 +271,35 @@ class Request:
                 "-" if self.first_audio_s is None else f"{self.first_audio_s:.3f}",
             )
 
-    def _segment_chunks(self, index: int, started: float, count: int) -> Iterator[AudioChunk]:
+    def _schedule(self) -> HopSchedule:
+        """Where the chunks of one segment fall (official CosyVoice2 hops, or one final chunk)."""
         encoder = self.config.flow.encoder
-        schedule = HopSchedule(
+        return HopSchedule(
             self.voice.speech_tokens.shape[0],
             self.stream,
             encoder.static_chunk_size,
             encoder.pre_lookahead_len,
         )
-        cache = VocoderCache()
+
+    def _new_state(self) -> VocoderCache:
+        """The vocoder state of one segment (cache and cross-fade tail)."""
+        return VocoderCache()
+
+    def _render(
+        self, tokens: np.ndarray, plan: ChunkPlan, state: VocoderCache
+    ) -> tuple[np.ndarray, float, float]:
+        """Flow + vocoder of one chunk: (samples [N], flow s, vocoder s)."""
+        return render_chunk(
+            self.stages, self.voice, tokens, plan, state, self.vocoder_rng, self.config.token_mel_ratio
+        )
+
+    def _new_tokens(self, plan: ChunkPlan) -> int:
+        """Speech tokens this chunk speaks (a non-final chunk's look-ahead tokens come again)."""
+        return plan.end - plan.offset - (0 if plan.final else self.config.flow.encoder.pre_lookahead_len)
+
+    def _segment_chunks(self, index: int, started: float, count: int) -> Iterator[AudioChunk]:
+        schedule = self._schedule()
+        cache = self._new_state()
         while True:
             waited = time.perf_counter()
             tokens, finished = self.feed.wait(index, schedule.needed)  # tokens: [n]
@@ -277,9 +307,7 @@ class Request:
             if plan is None:  # cannot happen: wait returns when the next chunk is ready
                 continue
             rendered = time.perf_counter()
-            samples, flow_s, vocoder_s = render_chunk(
-                self.stages, self.voice, tokens, plan, cache, self.vocoder_rng, self.config.token_mel_ratio
-            )
+            samples, flow_s, vocoder_s = self._render(tokens, plan, cache)
             is_last = plan.final and index == len(self.segments) - 1
             timings = self._timings(index, plan, samples, started, rendered - waited, flow_s, vocoder_s)
             yield AudioChunk(
@@ -310,9 +338,7 @@ class Request:
         if self.first_audio_s is None:
             self.first_audio_s = now - started
             _LOGGER.debug("time to first audio: %.3f s", self.first_audio_s)
-        new_tokens = (
-            plan.end - plan.offset - (0 if plan.final else self.config.flow.encoder.pre_lookahead_len)
-        )
+        new_tokens = self._new_tokens(plan)
         timings = {
             "llm_wait_s": wait_s,
             "llm_s": self.feed.llm_seconds(index),

@@ -31,6 +31,7 @@ __all__ = [
     "SynthesisConfig",
     "AudioChunk",
     "Segment",
+    "LLMPrompt",
     "plan_segments",
     "segment_token_limit",
     "llm_prompt",
@@ -100,8 +101,13 @@ class SynthesisConfig:
     """``"wetext"`` or ``"none"`` for this call. None: the engine's default (``EngineConfig``)."""
     stream: bool = False
     """Yield audio while the LLM is still speaking: several chunks per text segment on the official
-    streaming schedule (hops of 25 + prompt padding, 50, then 100 speech tokens = 1, 2, 4 s), first
-    audio after about 1 s of speech is decoded. False: one chunk per text segment."""
+    streaming schedule (CosyVoice2/3: hops of 25 + prompt padding, 50, then 100 speech tokens = 1, 2,
+    4 s; CosyVoice 1: 100 tokens = 2 s with a 20-token overlap). False: one chunk per text segment."""
+    instruct: str | None = None
+    """An instruction on how to speak (style, emotion, dialect, role), official instruct modes:
+    CosyVoice-300M-Instruct with a preset speaker (``inference_instruct``), CosyVoice2/3 with a
+    reference voice (``inference_instruct2``: the instruction replaces the voice's transcript in the
+    LLM prompt). The end-of-prompt marker is added when missing. None: no instruction."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream, bool):
@@ -116,6 +122,8 @@ class SynthesisConfig:
             raise InputError(f"speed {self.speed!r} is not supported yet; only 1.0 is. Leave speed unset.")
         if self.text_frontend is not None and not isinstance(self.text_frontend, bool):
             raise InputError(f"text_frontend must be True, False or None, got {self.text_frontend!r}.")
+        if self.instruct is not None and (not isinstance(self.instruct, str) or not self.instruct.strip()):
+            raise InputError(f"instruct must be a non-empty string or None, got {self.instruct!r}.")
         _check_normalizer(self.normalizer)
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,6 +171,23 @@ class Segment:
 
     text: str
     ids: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class LLMPrompt:
+    """What the speech LLM gets besides the text to speak, per official mode (spec §2.4).
+
+    Attributes:
+        text_ids: prompt text ids placed before the text (transcript, instruction or the CosyVoice3
+            system prompt), int64 [Nt]; may be empty.
+        speech_ids: prompt speech tokens after the task token (zero-shot only), int64 [Ns].
+        embedding: CosyVoice 1 only: the speaker embedding of the LLM's ``spk`` row, float32 [1, 192];
+            None leaves the row out (v1 instruct, and every CosyVoice2/3 mode).
+    """
+
+    text_ids: np.ndarray
+    speech_ids: np.ndarray
+    embedding: np.ndarray | None = None
 
 
 def _only_punctuation(text: str) -> bool:

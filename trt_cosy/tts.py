@@ -3,6 +3,10 @@
     tts = CosyVoice.load("engines/cosyvoice2/onnxruntime-fp32")
     voice = tts.voice_from_wav("ref.wav", text="transcript of ref.wav")   # zero-shot
     tts.synthesize_to_file("Hello there.", "out.wav", voice, seed=0)
+    tts.synthesize_to_file("Hello.", "sft.wav", "英文女")                   # preset speaker (300M-SFT)
+
+Every family works the same way (CosyVoice-300M/-SFT/-Instruct, CosyVoice2, Fun-CosyVoice3); what
+differs per family is in ``trt_cosy.families``.
 
 The engine holds only read-only resources (graphs, tables, tokenizer, normaliser); every request
 keeps its own state (sampler, random generators, LLM worker thread, hop schedule, vocoder cache) in
@@ -22,21 +26,20 @@ from typing import Final
 
 import numpy as np
 
+from . import families
+from .config import YAML_BY_FAMILY
 from .errors import EngineMismatchError, InputError, MissingDependencyError
 from .frontend.text import TextNormalizer
 from .frontend.tokenizer import QwenTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder
-from .pipeline import Request, Stages, iterate_in_thread
+from .pipeline import Request, iterate_in_thread
 from .runtime.model import LoadedModel
-from .stages.flow import FlowStage
-from .stages.llm import LLMStage
-from .stages.vocoder import VocoderStage
 from .synthesis import (
     AudioChunk,
     EngineConfig,
+    LLMPrompt,
     SynthesisConfig,
     plan_segments,
-    segment_token_limit,
     write_audio,
 )
 
@@ -46,8 +49,6 @@ _LOGGER = logging.getLogger(__name__)
 
 _ORT_NAMES: Final = ("auto", "onnxruntime", "ort")
 _TRT_NAMES: Final = ("trt", "tensorrt")
-_CAMPPLUS_FILE: Final = "campplus.onnx"
-_SPEECH_TOKENIZER_FILE: Final = "speech_tokenizer_v2.onnx"
 
 
 def model_id_from_checkpoint(family: str, checkpoint_hashes: Mapping[str, str]) -> str:
@@ -85,7 +86,7 @@ class _LazyOrtRunner:
 
 
 class CosyVoice:
-    """Text to speech with a CosyVoice2 model on loaded engines.
+    """Text to speech with a CosyVoice model (1, 2 or 3) on loaded engines.
 
     Build it with ``CosyVoice.load(engines_dir)``; the constructor takes ready-made parts so that
     tests and servers can inject them.
@@ -93,35 +94,39 @@ class CosyVoice:
     Args:
         model: the graphs, tables and config (``trt_cosy.runtime.engines.load_engines`` or the torch
             reference ``trt_cosy.build.reference.load_torch_model``).
-        tokenizer: the text tokenizer (``QwenTextTokenizer``).
+        tokenizer: the text tokenizer (``QwenTextTokenizer``; ``families.V1TextTokenizer`` for v1).
         voice_builder: makes voices from reference recordings; its ``model_id`` is checked against
             every voice used.
         normalizer: the default text normaliser (``TextNormalizer`` with the tokenizer's token count).
         engine_config: the options the engine was loaded with.
+        speakers: preset speakers (CosyVoice-300M-SFT/-Instruct): name -> embedding float32 [192].
     """
 
     def __init__(
         self,
         model: LoadedModel,
-        tokenizer: QwenTextTokenizer,
+        tokenizer: QwenTextTokenizer | families.V1TextTokenizer,
         voice_builder: VoiceBuilder,
         normalizer: TextNormalizer,
         engine_config: EngineConfig | None = None,
+        speakers: Mapping[str, np.ndarray] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.voice_builder = voice_builder
         self.normalizer = normalizer
         self.engine_config = engine_config or EngineConfig()
+        self.speaker_embeddings = dict(speakers or {})
         self._normalizers: dict[str, TextNormalizer] = {}
         self._normalizers_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", config: EngineConfig | None = None) -> CosyVoice:
-        """Load an engines directory written by ``trt-cosy build``.
+        """Load an engines directory written by ``trt-cosy build`` (any family).
 
         Args:
-            path: the engines directory (``manifest.json``, the graphs, ``tokenizer/``, ``campplus.onnx``...).
+            path: the engines directory (``manifest.json``, the graphs, ``tokenizer/``, ``campplus.onnx``,
+                ``speakers.npz`` for the -SFT/-Instruct releases...).
             backend: ``"auto"`` or ``"onnxruntime"`` (CPU). ``"trt"`` is not available in this version.
             config: load-time options (threads, default text normaliser).
 
@@ -138,36 +143,77 @@ class CosyVoice:
             )
         if backend not in _ORT_NAMES:
             raise InputError(f"unknown backend {backend!r}; use one of {', '.join(_ORT_NAMES + _TRT_NAMES)}.")
-        from .runtime.engines import TOKENIZER_DIR, load_engines
+        from .runtime.engines import SPEAKERS_NAME, TOKENIZER_DIR, load_engines
         from .runtime.manifest import Manifest
+        from .stages.v1 import load_speakers
 
         path = Path(path)
-        if (path / "cosyvoice2.yaml").is_file() and not (path / "manifest.json").is_file():
+        yamls = [name for name in YAML_BY_FAMILY.values() if (path / name).is_file()]
+        if yamls and not (path / "manifest.json").is_file():
             raise EngineMismatchError(
                 f"{path} is a release directory, not an engines directory. Build engines from it with "
                 f"`trt-cosy build --model-dir {path} --out ENGINES` and load ENGINES, or run "
                 f"`trt-cosy say --model-dir {path} ...` (it builds into the cache)."
             )
         model = load_engines(path, threads=config.threads)
-        model_id = model_id_from_checkpoint(model.config.family, Manifest.read(path).checkpoint)
-        tokenizer = QwenTextTokenizer.from_dir(path / TOKENIZER_DIR)
-        builder = VoiceBuilder(
-            _LazyOrtRunner(path / _CAMPPLUS_FILE, "campplus", config.threads),
-            _LazyOrtRunner(path / _SPEECH_TOKENIZER_FILE, "speech_tokenizer", config.threads),
-            model.config.mel,
-            model.config.token_mel_ratio,
-            model_id=model_id,
+        family = model.config.family
+        model_id = model_id_from_checkpoint(family, Manifest.read(path).checkpoint)
+        tokenizer = families.load_text_tokenizer(family, path / TOKENIZER_DIR)
+        builder = families.make_voice_builder(
+            model, lambda name, graph: _LazyOrtRunner(path / name, graph, config.threads), model_id
         )
+        speakers = load_speakers(path / SPEAKERS_NAME) if (path / SPEAKERS_NAME).is_file() else {}
         normalizer = _make_normalizer(config.normalizer, tokenizer)
         _LOGGER.info(
-            "loaded %s (%s, normaliser %s) from %s", model_id, model.backend, normalizer.engine, path
+            "loaded %s (%s, normaliser %s, %d preset speakers) from %s",
+            model_id,
+            model.backend,
+            normalizer.engine,
+            len(speakers),
+            path,
         )
-        return cls(model, tokenizer, builder, normalizer, config)
+        return cls(model, tokenizer, builder, normalizer, config, speakers)
 
     @property
     def sample_rate(self) -> int:
-        """Output sample rate in Hz (24000 for CosyVoice2)."""
+        """Output sample rate in Hz (24000 for CosyVoice2/3, 22050 for CosyVoice 1)."""
         return self.model.config.sample_rate
+
+    @property
+    def family(self) -> str:
+        """``"v1"`` (CosyVoice-300M family), ``"v2"`` (CosyVoice2) or ``"v3"`` (Fun-CosyVoice3)."""
+        return self.model.config.family
+
+    @property
+    def speakers(self) -> tuple[str, ...]:
+        """Names of the model's preset speakers (CosyVoice-300M-SFT/-Instruct); empty for the others."""
+        return tuple(self.speaker_embeddings)
+
+    def preset_voice(self, name: str) -> Voice:
+        """The preset speaker ``name`` as a voice: its embedding, no prompt (official SFT mode).
+
+        Raises:
+            InputError: the model has no speaker of that name (the message lists those it has).
+        """
+        embedding = self.speaker_embeddings.get(name)
+        if embedding is None:
+            if not self.speaker_embeddings:
+                raise InputError(
+                    f"voice must be a trt_cosy.Voice (from voice_from_wav or Voice.load) or the name of a "
+                    f"preset speaker, got {name!r}; this model has no preset speakers (only the "
+                    "CosyVoice-300M-SFT and -Instruct releases have them)."
+                )
+            raise InputError(f"unknown preset speaker {name!r}; this model has: {', '.join(self.speakers)}.")
+        mels = self.model.config.mel.num_mels
+        return Voice(
+            prompt_text="",
+            prompt_text_ids=np.zeros(0, np.int32),
+            speech_tokens=np.zeros(0, np.int32),
+            prompt_mel=np.zeros((0, mels), np.float32),
+            speaker_embedding=embedding,
+            sample_rate=self.sample_rate,
+            model_id=self.model_id,
+        )
 
     @property
     def model_id(self) -> str:
@@ -180,19 +226,25 @@ class CosyVoice:
         Args:
             path: the recording.
             text: its transcript: zero-shot cloning. None (or blank): cross-lingual — the LLM gets no
-                prompt text and no prompt speech tokens, only the flow uses the reference.
+                prompt text and no prompt speech tokens, only the flow uses the reference. For
+                CosyVoice3 the system prompt and ``<|endofprompt|>`` go in front of the transcript
+                (``families.prompt_text_for_voice``).
 
         Raises:
             InputError: unreadable, too short, too long or silent audio.
         """
         if text is None or not text.strip():
             return self.voice_builder.from_wav(path)
-        prompt_text = self.normalizer.normalize(text)
+        prompt_text = self.normalizer.normalize(families.prompt_text_for_voice(self.family, text))
         ids = np.asarray(self.tokenizer.encode(prompt_text), dtype=np.int32)  # ids: [Nt]
         return self.voice_builder.from_wav(path, prompt_text_ids=ids, prompt_text=prompt_text)
 
     def synthesize(
-        self, text: str, voice: Voice, seed: int | None = None, config: SynthesisConfig | None = None
+        self,
+        text: str,
+        voice: Voice | str,
+        seed: int | None = None,
+        config: SynthesisConfig | None = None,
     ) -> Iterator[AudioChunk]:
         """Speak ``text`` in ``voice``: one ``AudioChunk`` per sentence segment, or several with
         ``config.stream`` (the official streaming schedule: first audio after ~1 s of speech).
@@ -204,14 +256,19 @@ class CosyVoice:
 
         Args:
             text: what to say; it is normalised and split into sentences as the official frontend does.
-            voice: from ``voice_from_wav`` or ``Voice.load``, made for this model.
+            voice: from ``voice_from_wav`` or ``Voice.load``, made for this model; or the name of a
+                preset speaker (``speakers``; CosyVoice-300M-SFT/-Instruct).
             seed: the same seed gives the same audio; None draws fresh entropy.
-            config: per-call options; None for the defaults.
+            config: per-call options (``instruct``, ``stream``...); None for the defaults.
         """
         return self._request(text, voice, seed, config).chunks()
 
     async def asynthesize(
-        self, text: str, voice: Voice, seed: int | None = None, config: SynthesisConfig | None = None
+        self,
+        text: str,
+        voice: Voice | str,
+        seed: int | None = None,
+        config: SynthesisConfig | None = None,
     ) -> AsyncIterator[AudioChunk]:
         """``synthesize`` for asyncio: the same chunks, computed in a worker thread.
 
@@ -224,25 +281,44 @@ class CosyVoice:
         async for chunk in iterate_in_thread(request):
             yield chunk
 
-    def _request(self, text: str, voice: Voice, seed: int | None, config: SynthesisConfig | None) -> Request:
+    def _request(
+        self, text: str, voice: Voice | str, seed: int | None, config: SynthesisConfig | None
+    ) -> Request:
         """Check the inputs and plan the request (nothing runs yet)."""
         config = config or SynthesisConfig()
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise InputError(f"seed must be a non-negative integer or None, got {seed!r}.")
+        if isinstance(voice, str):
+            voice = self.preset_voice(voice)
         self._check_voice(voice)
-        limit = self._segment_limit(voice, config)
+        prompt = self.llm_prompt(voice, config.instruct)
+        budget = families.speech_budget(self.model, voice)  # speech tokens the engines can render
+        limit = self._segment_limit(voice, budget, config)
         split = None if config.text_frontend is False else self._normalizer_for(config.normalizer).split
         segments = plan_segments(text, split, self.tokenizer.encode, limit)
-        model_config = self.model.config
-        # The flow runs on prompt + new tokens; never let the LLM outgrow the fixed noise.
-        budget = self.model.flow_noise.shape[2] // model_config.token_mel_ratio - voice.speech_tokens.shape[0]
-        return Request(self._stages, model_config, segments, voice, seed, config.stream, budget)
+        request_class = families.request_class(self.family)
+        return request_class(
+            self._stages, self.model.config, segments, voice, seed, config.stream, budget, prompt
+        )
+
+    def llm_prompt(self, voice: Voice, instruct: str | None = None) -> LLMPrompt:
+        """What the LLM gets besides the text for ``voice`` and an optional instruction (spec §2.4).
+
+        Zero-shot: the transcript and the prompt speech tokens; cross-lingual and preset speakers:
+        neither (CosyVoice 1 adds the speaker row); an instruction replaces the transcript and drops
+        the prompt speech (and, for CosyVoice 1, the speaker row). See ``trt_cosy.families``.
+        """
+        instruct_ids = None
+        if instruct is not None:
+            text = families.instruct_text(self.family, instruct, self.normalizer.normalize)
+            instruct_ids = np.asarray(self.tokenizer.encode(text), np.int64)  # [Ni]
+        return families.llm_prompt_for(self.family, voice, instruct_ids, self.tokenizer.encode)
 
     def synthesize_to_file(
         self,
         text: str,
         path: str | Path,
-        voice: Voice,
+        voice: Voice | str,
         seed: int | None = None,
         config: SynthesisConfig | None = None,
     ) -> Path:
@@ -262,28 +338,11 @@ class CosyVoice:
                 f"this voice was made for model {voice.model_id}, not for {self.model_id}; make it again "
                 "with this model (`trt-cosy voices save` or CosyVoice.voice_from_wav)."
             )
-        config = self.model.config
-        embed_dim = config.flow.spk_embed_dim
-        if (
-            voice.sample_rate != config.sample_rate
-            or voice.speaker_embedding.shape != (embed_dim,)
-            or voice.prompt_mel.shape
-            != (voice.speech_tokens.shape[0] * config.token_mel_ratio, config.mel.num_mels)
-        ):
-            raise InputError(
-                f"the voice does not fit this model ({voice.sample_rate} Hz, embedding "
-                f"{voice.speaker_embedding.shape}, prompt mel {voice.prompt_mel.shape}); make it again with "
-                "this model (`trt-cosy voices save`)."
-            )
+        families.check_voice(self.model, voice)
 
-    def _segment_limit(self, voice: Voice, config: SynthesisConfig) -> int:
-        model_config = self.model.config
-        limit = segment_token_limit(
-            self.model.flow_noise.shape[2],
-            model_config.token_mel_ratio,
-            model_config.llm.max_token_text_ratio,
-            voice.speech_tokens.shape[0],
-        )
+    def _segment_limit(self, voice: Voice, budget: int, config: SynthesisConfig) -> int:
+        """The most text tokens of one segment whose longest speech (``max_token_text_ratio``) fits."""
+        limit = int(budget // self.model.config.llm.max_token_text_ratio)
         if limit < 1:
             raise InputError(
                 f"the voice's prompt ({voice.speech_tokens.shape[0]} speech tokens) leaves no room for "
@@ -300,23 +359,14 @@ class CosyVoice:
             return self._normalizers[engine]
 
     @functools.cached_property
-    def _stages(self) -> Stages:
-        model, runners = self.model, self.model.runners
-        config = model.config
-        return Stages(
-            llm=LLMStage(runners["llm"], model.llm_tables, config.llm),
-            flow=FlowStage(
-                runners["flow_encoder"],
-                runners["flow_estimator"],
-                runners["flow_estimator_stream"],
-                model.flow_noise,
-                config.flow,
-            ),
-            vocoder=VocoderStage(runners["hift"], config.hift),
-        )
+    def _stages(self):
+        """The stateless stages of the family (``pipeline.Stages``, ``V1Stages``, ``V3Stages``)."""
+        return families.build_stages(self.model)
 
 
-def _make_normalizer(engine: str | None, tokenizer: QwenTextTokenizer) -> TextNormalizer:
+def _make_normalizer(
+    engine: str | None, tokenizer: QwenTextTokenizer | families.V1TextTokenizer
+) -> TextNormalizer:
     """The engine's default normaliser; with no choice made, wetext when installed, else rules only."""
     if engine is not None:
         return TextNormalizer(engine, count_tokens=tokenizer.count_tokens)

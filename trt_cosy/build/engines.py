@@ -11,6 +11,11 @@ Layout of the engines directory (``backend="onnxruntime"``, ``precision="fp32"``
     tokenizer/                    vocab.json, merges.txt, tokenizer_config.json, tokenizer.json
     campplus.onnx  speech_tokenizer_v2.onnx                        the release's frontend models
 
+CosyVoice 1 and 3 releases (``build.family_engines``) have their own graph sets and data: v1 has
+no ``flow_noise.npy``, carries ``speakers.npz`` (the -SFT/-Instruct preset speakers),
+``tokenizer/multilingual.tiktoken`` and ``speech_tokenizer_v1.onnx``; v3 adds ``hift_noise.npy``
+(the causal HiFT's fixed noise, 60 s) and carries ``speech_tokenizer_v3.onnx``.
+
 Everything is written to a staging directory next to ``out_dir`` and renamed into place at the
 end, so an interrupted build never leaves a half-written engines directory behind.
 """
@@ -27,16 +32,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-import numpy as np
-
 from .. import __version__
 from ..config import QWEN_DIR, ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
-from ..runtime.engines import FLOW_NOISE_NAME, MODEL_CONFIG_NAME, TABLE_NAMES, TOKENIZER_DIR
+from ..runtime.engines import MODEL_CONFIG_NAME, TOKENIZER_DIR
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord, hash_checkpoint
 from .export import OPSET, ExportResult, export_model, onnx_io_specs
+from .family_engines import (
+    check_family_options,
+    copy_v1_tokenizer,
+    export_family,
+    frontend_files,
+    load_model_for_build,
+    write_model_data,
+)
 from .quantize import QUANTIZED_PRECISIONS, quantize_engines
-from .reference import load_torch_model
 
 __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
 
@@ -49,7 +59,6 @@ TRT_PRECISIONS: Final = ("fp16", "fp32")
 _PLANS_DIR: Final = "plans"
 _TOKENIZER_FILES: Final = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
 _REQUIRED_TOKENIZER_FILES: Final = ("vocab.json", "merges.txt")
-_FRONTEND_FILES: Final = ("campplus.onnx", "speech_tokenizer_v2.onnx")
 _DIR_MODE: Final = 0o755
 
 Progress = Callable[[str], None]
@@ -64,7 +73,7 @@ def build_engines(
     progress: Progress | None = None,
     onnx_only: bool = False,
 ) -> Path:
-    """Export an official CosyVoice2 release to an engines directory and return its path.
+    """Export an official CosyVoice release (1, 2 or 3) to an engines directory and return its path.
 
     Each graph is exported to ONNX with the dynamo exporter, checked with ``onnx.checker`` and
     compared with torch on ONNX Runtime. The build is skipped when ``out_dir/manifest.json`` already
@@ -86,6 +95,7 @@ def build_engines(
             plans (for a machine without a GPU; plans are built later where TensorRT runs).
     """
     _check_options(backend, precision)
+    check_family_options(Path(model_dir), backend, precision)
     if backend == "tensorrt" and not onnx_only:
         from ..runtime.trt import load_tensorrt
 
@@ -175,20 +185,25 @@ def _write_engines(
     model_dir: Path, staging: Path, hashes: dict[str, str], backend: str, precision: str, emit: Progress
 ) -> None:
     emit(f"loading the checkpoint in {model_dir}")
-    model = load_torch_model(model_dir)
-    results = export_model(model, staging, progress=emit)
+    model = load_model_for_build(model_dir)
+    family = model.config.family
+    if family == "v2":
+        results = export_model(model, staging, progress=emit)
+    else:
+        results = export_family(model, staging, progress=emit)
     if backend == "tensorrt":
         from .tensorrt import prepare_trt_graphs
 
         prepare_trt_graphs(staging, model.config, hashes, precision, progress=emit)
     elif precision != "fp32":
         quantize_engines(staging, precision, progress=emit)
-    for name in TABLE_NAMES:
-        np.save(staging / f"{name}.npy", np.ascontiguousarray(model.llm_tables[name], dtype=np.float32))
-    np.save(staging / FLOW_NOISE_NAME, np.ascontiguousarray(model.flow_noise, dtype=np.float32))
+    write_model_data(model, model_dir, staging)  # tables, fixed noise, preset speakers
     _write_model_config(model.config, staging / MODEL_CONFIG_NAME)
-    _copy_tokenizer(model_dir / QWEN_DIR, staging / TOKENIZER_DIR)
-    _link_frontend_models(model_dir, staging)
+    if family == "v1":
+        copy_v1_tokenizer(model_dir, staging / TOKENIZER_DIR)
+    else:
+        _copy_tokenizer(model_dir / QWEN_DIR, staging / TOKENIZER_DIR)
+    _link_frontend_models(model_dir, staging, frontend_files(family))
     manifest = Manifest(
         trt_cosy_version=__version__,
         backend=backend,
@@ -221,8 +236,8 @@ def _copy_tokenizer(source: Path, target: Path) -> None:
         )
 
 
-def _link_frontend_models(model_dir: Path, staging: Path) -> None:
-    for name in _FRONTEND_FILES:
+def _link_frontend_models(model_dir: Path, staging: Path, names: tuple[str, ...]) -> None:
+    for name in names:
         source = model_dir / name
         if not source.is_file():
             _LOGGER.warning(

@@ -1,4 +1,10 @@
-"""Load an engines directory written by ``trt-cosy build`` onto ONNX Runtime (torch-free)."""
+"""Load an engines directory written by ``trt-cosy build`` onto ONNX Runtime (torch-free).
+
+Every family has the graphs of its contract set (``graphs.GRAPHS`` for CosyVoice2,
+``graphs_v1.V1_GRAPHS``, ``graphs_v3.GRAPHS_V3``), the three LLM lookup tables and
+``model_config.json``; CosyVoice2/3 add the fixed CFM noise, CosyVoice3 the fixed HiFT noise, and
+CosyVoice-300M-SFT/-Instruct engines their preset speakers.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,8 @@ from typing import Final
 import numpy as np
 
 from ..errors import EngineMismatchError
-from . import graphs
+from . import graphs, graphs_v1, graphs_v3
+from .base import Runner
 from .manifest import Manifest, model_config_from_dict
 from .model import LoadedModel
 from .ort import OrtRunner
@@ -21,7 +28,10 @@ __all__ = [
     "TABLE_NAMES",
     "MODEL_CONFIG_NAME",
     "FLOW_NOISE_NAME",
+    "HIFT_NOISE_NAME",
+    "SPEAKERS_NAME",
     "TOKENIZER_DIR",
+    "graph_specs",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -30,25 +40,68 @@ ORT_BACKEND: Final = "onnxruntime"
 # File names inside an engines directory, shared with the builder (trt_cosy/build/engines.py).
 TABLE_NAMES: Final = ("text_embedding", "speech_embedding", "llm_embedding")  # <name>.npy
 MODEL_CONFIG_NAME: Final = "model_config.json"
-FLOW_NOISE_NAME: Final = "flow_noise.npy"
-TOKENIZER_DIR: Final = "tokenizer"
+FLOW_NOISE_NAME: Final = "flow_noise.npy"  # v2/v3: the official fixed CFM noise [1, 80, 15000]
+HIFT_NOISE_NAME: Final = "hift_noise.npy"  # v3: the causal HiFT's fixed NSF buffer prefix [1, S, 9]
+SPEAKERS_NAME: Final = "speakers.npz"  # v1 -SFT/-Instruct: preset speakers from spk2info.pt
+TOKENIZER_DIR: Final = "tokenizer"  # v2/v3: the Qwen tokenizer files; v1: multilingual.tiktoken
+_GRAPHS_BY_FAMILY: Final = {"v1": graphs_v1.V1_GRAPHS, "v2": graphs.GRAPHS, "v3": graphs_v3.GRAPHS_V3}
+
+
+def graph_specs(family: str) -> dict[str, graphs.GraphSpec]:
+    """The graph contracts of a family (``"v1"``, ``"v2"``, ``"v3"``), keyed by graph name."""
+    try:
+        return _GRAPHS_BY_FAMILY[family]
+    except KeyError:
+        raise EngineMismatchError(
+            f"model family {family!r} is unknown to this trt-cosy; rebuild the engines with `trt-cosy build`."
+        ) from None
 
 
 def load_engines(engines_dir: Path, threads: int | None = None, model_dir: Path | None = None) -> LoadedModel:
-    """Load the ONNX graphs, LLM tables, flow noise and config of an engines directory.
+    """Load the ONNX graphs, LLM tables, fixed noise and config of an engines directory.
 
     The manifest is checked first (trt-cosy version, backend, every file present with its size;
     with ``model_dir``, also the checkpoint hashes): stale or incomplete engines raise
     ``EngineMismatchError`` naming the ``trt-cosy build`` command to run. ``threads`` is the
-    intra-op thread count of every session (default: physical cores). The embedding tables are
-    memory-mapped read-only.
+    intra-op thread count of every session (default: physical cores). The embedding tables and the
+    HiFT noise are memory-mapped read-only.
     """
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
     manifest.check(engines_dir, model_dir, backend=ORT_BACKEND)
     config = model_config_from_dict(_read_json(engines_dir / MODEL_CONFIG_NAME))
-    runners = {}
-    for name in graphs.GRAPHS:
+    runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads)
+    tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}
+    noise_path = engines_dir / FLOW_NOISE_NAME
+    if config.family == "v1" and not noise_path.is_file():  # v1 draws fresh CFM noise per call
+        flow_noise = np.zeros((1, config.flow.output_size, 0), np.float32)
+    else:
+        flow_noise = np.load(noise_path)  # [1, 80, 15000]
+    hift_noise = None
+    if config.family == "v3":
+        hift_noise = np.load(engines_dir / HIFT_NOISE_NAME, mmap_mode="r")  # [1, S, 9]
+    _LOGGER.debug(
+        "loaded %s %s engines from %s (built %s)",
+        config.family,
+        manifest.backend,
+        engines_dir,
+        manifest.created,
+    )
+    return LoadedModel(
+        config=config,
+        backend=ORT_BACKEND,
+        runners=runners,
+        llm_tables=tables,
+        flow_noise=flow_noise,
+        hift_noise=hift_noise,
+    )
+
+
+def _load_runners(
+    engines_dir: Path, manifest: Manifest, specs: dict[str, graphs.GraphSpec], threads: int | None
+) -> dict[str, Runner]:
+    runners: dict[str, Runner] = {}
+    for name in specs:
         record = manifest.graphs.get(name)
         if record is None:
             raise EngineMismatchError(
@@ -56,12 +109,7 @@ def load_engines(engines_dir: Path, threads: int | None = None, model_dir: Path 
                 f"--out {engines_dir}`."
             )
         runners[name] = OrtRunner.from_path(engines_dir / record.file, name, threads, exported=True)
-    tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}
-    flow_noise = np.load(engines_dir / FLOW_NOISE_NAME)  # [1, 80, 15000]
-    _LOGGER.debug("loaded %s engines from %s (built %s)", manifest.backend, engines_dir, manifest.created)
-    return LoadedModel(
-        config=config, backend=ORT_BACKEND, runners=runners, llm_tables=tables, flow_noise=flow_noise
-    )
+    return runners
 
 
 def _read_json(path: Path) -> dict:

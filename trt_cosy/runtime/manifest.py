@@ -20,12 +20,17 @@ from pathlib import Path
 from typing import Any, Final
 
 from .. import __version__
-from ..config import QWEN_DIR, ModelConfig
+from ..config import QWEN_DIR, YAML_BY_FAMILY, ModelConfig, release_family
+from ..config_v1 import V1ModelConfig
+from ..config_v3 import V3ModelConfig
 from ..errors import EngineMismatchError, ModelDirError
 
 __all__ = [
     "MANIFEST_NAME",
     "CHECKPOINT_FILES",
+    "CHECKPOINT_FILES_BY_FAMILY",
+    "OPTIONAL_CHECKPOINT_FILES",
+    "checkpoint_files",
     "TensorRecord",
     "GraphRecord",
     "Manifest",
@@ -38,8 +43,18 @@ _LOGGER = logging.getLogger(__name__)
 
 MANIFEST_NAME: Final = "manifest.json"
 _FORMAT: Final = 1
-# The release files whose content decides what the engines compute.
-CHECKPOINT_FILES: Final = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", f"{QWEN_DIR}/config.json")
+# The release files whose content decides what the engines compute, per family (CosyVoice 1 has no Qwen).
+_WEIGHTS: Final = ("llm.pt", "flow.pt", "hift.pt")
+CHECKPOINT_FILES_BY_FAMILY: Final = {
+    "v1": (YAML_BY_FAMILY["v1"], *_WEIGHTS),
+    "v2": (YAML_BY_FAMILY["v2"], *_WEIGHTS, f"{QWEN_DIR}/config.json"),
+    "v3": (YAML_BY_FAMILY["v3"], *_WEIGHTS, f"{QWEN_DIR}/config.json"),
+}
+CHECKPOINT_FILES: Final = CHECKPOINT_FILES_BY_FAMILY["v2"]  # CosyVoice2 (the default release)
+# Hashed when present: the -SFT/-Instruct preset speakers and the whisper ranks the engines carry
+# (adding either to a release makes its engines stale, so the next build picks them up).
+OPTIONAL_CHECKPOINT_FILES: Final = {"v1": ("spk2info.pt", "multilingual.tiktoken"), "v2": (), "v3": ()}
+_FAMILY_NAMES: Final = {"v1": "CosyVoice-300M(-SFT/-Instruct)", "v2": "CosyVoice2", "v3": "Fun-CosyVoice3"}
 _HASH_BLOCK: Final = 1 << 20
 
 
@@ -201,30 +216,40 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def hash_checkpoint(model_dir: Path) -> dict[str, str]:
-    """sha256 of each of ``CHECKPOINT_FILES`` in ``model_dir``; a missing one raises ``ModelDirError``."""
+def checkpoint_files(model_dir: Path) -> tuple[str, ...]:
+    """The files of ``model_dir`` whose sha256 identifies its engines: the family's required files
+    (``CHECKPOINT_FILES_BY_FAMILY``) plus the optional ones it has. ``ModelDirError`` when one is missing."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelDirError(
-            f"model directory {model_dir} does not exist; pass an official CosyVoice2 release."
-        )
-    missing = [name for name in CHECKPOINT_FILES if not (model_dir / name).is_file()]
+    family = release_family(model_dir)  # raises ModelDirError for a missing dir or one without a yaml
+    required = CHECKPOINT_FILES_BY_FAMILY[family]
+    missing = [name for name in required if not (model_dir / name).is_file()]
     if missing:
         raise ModelDirError(
-            f"{model_dir} lacks {', '.join(missing)}; pass an official CosyVoice2 release directory "
-            f"({', '.join(CHECKPOINT_FILES)})."
+            f"{model_dir} lacks {', '.join(missing)}; pass an official {_FAMILY_NAMES[family]} release "
+            f"directory ({', '.join(required)})."
         )
-    return {name: file_sha256(model_dir / name) for name in CHECKPOINT_FILES}
+    optional = [name for name in OPTIONAL_CHECKPOINT_FILES[family] if (model_dir / name).is_file()]
+    return (*required, *optional)
 
 
-def model_config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
-    """Rebuild a ``ModelConfig`` from ``ModelConfig.to_dict()`` (after a JSON round trip).
+def hash_checkpoint(model_dir: Path) -> dict[str, str]:
+    """sha256 of each of ``checkpoint_files(model_dir)``; a missing required file raises ``ModelDirError``."""
+    model_dir = Path(model_dir)
+    return {name: file_sha256(model_dir / name) for name in checkpoint_files(model_dir)}
 
-    Nested dataclasses are rebuilt from their field types; lists become tuples where the field is a
-    tuple. Missing fields take their defaults; unknown keys raise ``EngineMismatchError``.
+
+def model_config_from_dict(raw: Mapping[str, Any]) -> ModelConfig | V1ModelConfig:
+    """Rebuild a model config from its ``to_dict()`` (after a JSON round trip).
+
+    ``raw["family"]`` picks the class: ``V1ModelConfig`` for ``"v1"``, ``V3ModelConfig`` for
+    ``"v3"``, else ``ModelConfig``. Nested dataclasses are rebuilt from their field types; lists
+    become tuples where the field is a tuple. Missing fields take their defaults; unknown keys
+    raise ``EngineMismatchError``.
     """
+    family = raw.get("family", "v2") if isinstance(raw, Mapping) else "v2"
+    cls = {"v1": V1ModelConfig, "v3": V3ModelConfig}.get(family, ModelConfig)
     try:
-        return _from_dict(ModelConfig, raw)
+        return _from_dict(cls, raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineMismatchError(
             f"model_config.json does not describe a model this trt-cosy knows ({exc!r}). Rebuild the engines "

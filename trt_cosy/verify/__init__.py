@@ -34,7 +34,7 @@ _DRIVERS: Final[dict[str, tuple[StageDriver, ...]]] = {
 }
 _FAMILY_NAMES: Final = {"v1": "CosyVoice 1 (300M)", "v2": "CosyVoice2", "v3": "CosyVoice3"}
 # Families whose engines `trt-cosy build` can write in this version.
-_ENGINE_FAMILIES: Final = ("v2",)
+_ENGINE_FAMILIES: Final = ("v1", "v2", "v3")
 
 # Keys the engine does not reproduce by design, with the reason printed in the table.
 _SKIPPED: dict[str, str] = {

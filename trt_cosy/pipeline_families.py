@@ -1,0 +1,177 @@
+"""Requests of CosyVoice 1 and CosyVoice3: ``pipeline.Request`` with the family's stages and schedule.
+
+The worker-thread LLM, cancellation and chunk bookkeeping are ``pipeline.Request``'s; what differs:
+
+* CosyVoice 1 (``V1Request``, official ``CosyVoiceModel.tts``, spec §6.2): the LLM has a speaker row
+  and a text encoder (``V1LLMStage``); chunks are 100-token hops with a 20-token overlap and each
+  flow call sees only its own tokens (``V1Schedule``); the flow draws fresh noise per call and
+  carries a flow cache, a mel overlap and the HiFT cache between calls (``V1Synthesizer``).
+* CosyVoice3 (``V3Request``, ``CosyVoice3Model``, spec §6.3): the CosyVoice2 LLM and flow stages on
+  the v3 graphs, silent-token filtering of the LLM output (``filter_silent_tokens``), the CosyVoice2
+  hop schedule, and a vocoder that re-renders the whole mel so far (``V3VocoderStage``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from .pipeline import Request
+from .stages.flow import FlowStage
+from .stages.llm import LLMStage
+from .stages.v1 import RandomDraws, V1LLMStage, V1StreamState, V1Synthesizer
+from .stages.v3 import V3VocoderCache, V3VocoderStage, filter_silent_tokens
+from .streaming import ChunkPlan, HopSchedule
+
+__all__ = ["V1Stages", "V3Stages", "V1Schedule", "V1Request", "V3Request"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class V1Stages(NamedTuple):
+    """The stateless CosyVoice 1 stages one engine shares between its requests."""
+
+    llm: V1LLMStage
+    synthesizer: V1Synthesizer
+
+
+class V3Stages(NamedTuple):
+    """The stateless CosyVoice3 stages one engine shares between its requests."""
+
+    llm: LLMStage
+    flow: FlowStage
+    vocoder: V3VocoderStage
+
+
+class V1Schedule:
+    """The official v1 token schedule of one segment, as a pure function of the token count.
+
+    Streaming: whenever ``hop + overlap`` tokens past the current offset exist, a non-final chunk
+    takes exactly those and the offset moves on by ``hop`` (the last ``overlap`` tokens come again
+    in the next chunk); when the LLM has finished, one final chunk takes the rest. A chunk plan's
+    tokens are ``tokens[offset:end]`` (each flow call sees only its own tokens, not the history).
+    Not streaming: one final chunk over everything.
+    """
+
+    def __init__(self, stream: bool, hop: int = 100, overlap: int = 20):
+        self.stream = stream
+        self.hop = hop
+        self.overlap = overlap
+        self.offset = 0
+        self.done = False
+
+    @property
+    def needed(self) -> int | None:
+        """Tokens the next non-final chunk needs in all; None when only the LLM's end can decide."""
+        if self.done or not self.stream:
+            return None
+        return self.offset + self.hop + self.overlap
+
+    def next_chunk(self, available: int, finished: bool) -> ChunkPlan | None:
+        """The chunk to run now, or None to wait for more tokens (or after the final chunk)."""
+        if self.done:
+            return None
+        needed = self.needed
+        if needed is not None and available >= needed:
+            plan = ChunkPlan(end=needed, offset=self.offset, final=False)
+            self.offset += self.hop
+            return plan
+        if finished:
+            self.done = True
+            return ChunkPlan(end=available, offset=self.offset, final=True)
+        return None
+
+
+class V1Request(Request):
+    """A CosyVoice 1 request (zero-shot, cross-lingual, preset speaker or instruct: see ``prompt``).
+
+    The flow always gets the voice's speaker embedding: the reference's, or the preset speaker's
+    (which is also the LLM's in SFT mode and absent from the LLM in instruct mode).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flow_embedding = np.asarray(self.voice.speaker_embedding, np.float32).reshape(1, -1)  # [1, 192]
+        hift = self.config.hift
+        self.draws = RandomDraws(self.vocoder_rng, self.config.flow.output_size, hift.nb_harmonics + 1)
+
+    def _decode(self, index: int) -> Iterator[int]:
+        prompt = self.prompt
+        return self.stages.llm.generate(
+            self.segments[index].ids,
+            prompt.text_ids,
+            prompt.speech_ids,
+            prompt.embedding,
+            self.sampler,
+            self.max_new_tokens,
+        )
+
+    def _schedule(self) -> V1Schedule:
+        stream = self.config.stream
+        return V1Schedule(self.stream, stream.token_hop_len, stream.token_overlap_len)
+
+    def _new_state(self) -> V1StreamState:
+        return V1StreamState()
+
+    def _render(
+        self, tokens: np.ndarray, plan: ChunkPlan, state: V1StreamState
+    ) -> tuple[np.ndarray, float, float]:
+        """One official ``token2wav`` (flow + HiFT together; ``flow_s`` covers both)."""
+        if plan.end <= plan.offset:  # the LLM stopped at once: nothing to say
+            return np.zeros(0, np.float32), 0.0, 0.0
+        start = time.perf_counter()
+        speech = self.stages.synthesizer.token2wav(
+            tokens[None, plan.offset : plan.end],  # [1, n]
+            self.voice.speech_tokens.astype(np.int64)[None],  # [1, P]
+            self.voice.prompt_mel[None],  # [1, P_mel, 80]
+            self.flow_embedding,  # [1, 192]
+            state,
+            self.draws,
+            finalize=plan.final,
+        )  # speech: [1, S]
+        return speech[0], time.perf_counter() - start, 0.0
+
+    def _new_tokens(self, plan: ChunkPlan) -> int:
+        return plan.end - plan.offset if plan.final else self.config.stream.token_hop_len
+
+
+class V3Request(Request):
+    """A CosyVoice3 request: the CosyVoice2 flow on the v3 graphs, silent-token filter, v3 vocoder."""
+
+    def _decode(self, index: int) -> Iterator[int]:
+        return filter_silent_tokens(super()._decode(index))
+
+    def _schedule(self) -> HopSchedule:
+        return HopSchedule(
+            self.voice.speech_tokens.shape[0],
+            self.stream,
+            self.config.chunk_size,
+            self.config.flow.encoder.pre_lookahead_len,
+        )
+
+    def _new_state(self) -> V3VocoderCache:
+        return V3VocoderCache()
+
+    def _render(
+        self, tokens: np.ndarray, plan: ChunkPlan, state: V3VocoderCache
+    ) -> tuple[np.ndarray, float, float]:
+        """Official ``CosyVoice3Model.token2wav``: the new mel frames, then HiFT on the whole mel so far."""
+        if plan.end == 0:  # the LLM stopped at once: nothing to say
+            return np.zeros(0, np.float32), 0.0, 0.0
+        start = time.perf_counter()
+        mel = self.stages.flow.token2mel(
+            tokens[None, : plan.end],  # [1, end]
+            self.voice.speech_tokens.astype(np.int64)[None],  # [1, P]
+            self.voice.prompt_mel[None],  # [1, 2P, 80]
+            self.voice.speaker_embedding[None],  # [1, 192]
+            streaming=plan.streaming,
+            finalize=plan.final,
+        ).mel  # mel: [1, 80, 2 * (end - 3 unless final)]
+        mel = mel[:, :, self.config.token_mel_ratio * plan.offset :]  # mel: [1, 80, F]
+        flow_done = time.perf_counter()
+        samples = self.stages.vocoder.render(mel, state, final=plan.final)[0]  # samples: [N]
+        return samples, flow_done - start, time.perf_counter() - flow_done
