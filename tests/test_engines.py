@@ -94,7 +94,8 @@ def test_missing_engines_dir_says_build(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("backend", "precision", "hint"), [("tensorrt", "fp32", "onnxruntime"), ("onnxruntime", "fp16", "fp32")]
+    ("backend", "precision", "hint"),
+    [("cuda", "fp32", "onnxruntime, tensorrt"), ("onnxruntime", "fp16", "fp32"), ("tensorrt", "int4", "fp16, fp32")],
 )
 def test_unknown_backend_or_precision(v2_tiny_dir, tmp_path, backend, precision, hint):
     with pytest.raises(InputError, match=hint):
@@ -302,6 +303,7 @@ def test_build_engines_script(tiny, capsys):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.main(["--model-dir", str(release), "--out", str(engines)]) == 0
-    assert "up to date" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "up to date" in captured.err and "engines ready" in captured.out
     assert script.main(["--model-dir", str(release), "--out", str(engines), "--precision", "int3"]) == 2
     assert "fp32" in capsys.readouterr().err

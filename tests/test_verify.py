@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from trt_cosy.cli import main
 from trt_cosy.errors import InputError
-from trt_cosy.verify import compare_outputs, compute_outputs, format_table, load_backend
+from trt_cosy.verify import compare_outputs, compute_outputs, format_table
 from trt_cosy.verify.golden import GoldenSet
 
 pytest.importorskip("torch", reason="the torch reference backend needs the [build] extra")
@@ -146,12 +146,6 @@ def test_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2
     assert "does not exist" in result.output and "Traceback" not in result.output
-
-
-@pytest.mark.parametrize("family", ["v1", "v3"])
-def test_onnxruntime_backend_is_refused_for_v1_v3(family: str, tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="--backend torch"):
-        load_backend("onnxruntime", DIRS[family], tmp_path, threads=1)
 
 
 def test_golden_of_another_family_is_refused() -> None:

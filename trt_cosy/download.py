@@ -136,18 +136,12 @@ def _fetch(repo: str, source: str, target: Path) -> None:
 
 
 def _checkpoint_key(model_dir: Path) -> str:
-    """A cheap fingerprint of a release: names, sizes and mtimes of its checkpoint files."""
-    from .runtime.manifest import CHECKPOINT_FILES
+    """A cheap fingerprint of a release: names, sizes and mtimes of its checkpoint files (any family)."""
+    from .runtime.manifest import checkpoint_files
 
     stats = []
-    for name in CHECKPOINT_FILES:
-        path = model_dir / name
-        if not path.is_file():
-            raise ModelDirError(
-                f"{model_dir} lacks {name}; pass an official CosyVoice2 release directory "
-                f"({', '.join(CHECKPOINT_FILES)}), e.g. one fetched with `trt-cosy download`."
-            )
-        stat = path.stat()
+    for name in checkpoint_files(model_dir):  # raises ModelDirError naming what is missing
+        stat = (model_dir / name).stat()
         stats.append([name, stat.st_size, stat.st_mtime_ns])
     return hashlib.sha256(json.dumps(stats).encode("utf-8")).hexdigest()[:16]
 
