@@ -62,3 +62,16 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_manifest(tiny_release: Path, 
                                       "--backend", "tensorrt", "--onnx-only"])
     assert again.exit_code == 0 and "up to date" in again.output
     assert np.load(out / "flow_noise.npy", mmap_mode="r").shape == (1, 80, 15000)
+    if gpu_unavailable_reason() is not None:
+        # the runtime refuses to go on without a GPU, with the reason, before touching TensorRT
+        from trt_cosy.errors import MissingDependencyError
+        from trt_cosy.runtime.engines import load_engines
+
+        with pytest.raises(MissingDependencyError, match="NVIDIA GPU"):
+            load_engines(out, backend="tensorrt")
+    # ONNX Runtime never loads engines built for TensorRT (the manifest names the backend)
+    from trt_cosy.errors import EngineMismatchError
+    from trt_cosy.runtime.engines import load_engines
+
+    with pytest.raises(EngineMismatchError, match="trt-cosy build"):
+        load_engines(out)

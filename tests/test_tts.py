@@ -153,8 +153,8 @@ def test_load_on_a_release_dir_says_to_build(v2_tiny_dir):
         CosyVoice.load(v2_tiny_dir)
 
 
-def test_load_refuses_tensorrt_and_unknown_backends(tmp_path):
-    with pytest.raises(InputError, match="TensorRT backend is not available"):
+def test_load_tensorrt_without_engines_says_to_build_and_refuses_unknown_backends(tmp_path):
+    with pytest.raises(EngineMismatchError, match="trt-cosy build"):
         CosyVoice.load(tmp_path, backend="trt")
     with pytest.raises(InputError, match="unknown backend"):
         CosyVoice.load(tmp_path, backend="cuda")

@@ -127,7 +127,8 @@ class CosyVoice:
         Args:
             path: the engines directory (``manifest.json``, the graphs, ``tokenizer/``, ``campplus.onnx``,
                 ``speakers.npz`` for the -SFT/-Instruct releases...).
-            backend: ``"auto"`` or ``"onnxruntime"`` (CPU). ``"trt"`` is not available in this version.
+            backend: ``"auto"`` / ``"onnxruntime"`` (CPU), or ``"trt"`` / ``"tensorrt"`` (the plans of an
+                engines directory built with ``trt-cosy build --backend tensorrt``; NVIDIA GPU).
             config: load-time options (threads, default text normaliser).
 
         Raises:
@@ -136,12 +137,7 @@ class CosyVoice:
             InputError: an unknown backend.
         """
         config = config or EngineConfig()
-        if backend in _TRT_NAMES:
-            raise InputError(
-                "the TensorRT backend is not available in this version; use backend='onnxruntime' "
-                "(engines built with `trt-cosy build --backend onnxruntime`)."
-            )
-        if backend not in _ORT_NAMES:
+        if backend not in _ORT_NAMES + _TRT_NAMES:
             raise InputError(f"unknown backend {backend!r}; use one of {', '.join(_ORT_NAMES + _TRT_NAMES)}.")
         from .runtime.engines import SPEAKERS_NAME, TOKENIZER_DIR, load_engines
         from .runtime.manifest import Manifest
@@ -155,7 +151,8 @@ class CosyVoice:
                 f"`trt-cosy build --model-dir {path} --out ENGINES` and load ENGINES, or run "
                 f"`trt-cosy say --model-dir {path} ...` (it builds into the cache)."
             )
-        model = load_engines(path, threads=config.threads)
+        engine_backend = "tensorrt" if backend in _TRT_NAMES else "onnxruntime"
+        model = load_engines(path, threads=config.threads, backend=engine_backend)
         family = model.config.family
         model_id = model_id_from_checkpoint(family, Manifest.read(path).checkpoint)
         tokenizer = families.load_text_tokenizer(family, path / TOKENIZER_DIR)

@@ -37,6 +37,7 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 ORT_BACKEND: Final = "onnxruntime"
+TRT_BACKEND: Final = "tensorrt"
 # File names inside an engines directory, shared with the builder (trt_cosy/build/engines.py).
 TABLE_NAMES: Final = ("text_embedding", "speech_embedding", "llm_embedding")  # <name>.npy
 MODEL_CONFIG_NAME: Final = "model_config.json"
@@ -57,20 +58,35 @@ def graph_specs(family: str) -> dict[str, graphs.GraphSpec]:
         ) from None
 
 
-def load_engines(engines_dir: Path, threads: int | None = None, model_dir: Path | None = None) -> LoadedModel:
-    """Load the ONNX graphs, LLM tables, fixed noise and config of an engines directory.
+def load_engines(
+    engines_dir: Path,
+    threads: int | None = None,
+    model_dir: Path | None = None,
+    backend: str = ORT_BACKEND,
+    slots: int = 1,
+) -> LoadedModel:
+    """Load the graphs (ONNX Runtime sessions or TensorRT plans), LLM tables, fixed noise and config.
 
     The manifest is checked first (trt-cosy version, backend, every file present with its size;
     with ``model_dir``, also the checkpoint hashes): stale or incomplete engines raise
     ``EngineMismatchError`` naming the ``trt-cosy build`` command to run. ``threads`` is the
     intra-op thread count of every session (default: physical cores). The embedding tables and the
-    HiFT noise are memory-mapped read-only.
+    HiFT noise are memory-mapped read-only. ``backend="tensorrt"`` loads the plans of
+    ``engines_dir/plans`` (``slots`` execution contexts each); a plan built for another GPU,
+    TensorRT version or checkpoint is refused, never used.
     """
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
-    manifest.check(engines_dir, model_dir, backend=ORT_BACKEND)
+    manifest.check(engines_dir, model_dir, backend=backend)
     config = model_config_from_dict(_read_json(engines_dir / MODEL_CONFIG_NAME))
-    runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads)
+    if backend == TRT_BACKEND:
+        from .trt import checkpoint_digest, load_plan_runners
+
+        runners: dict[str, Runner] = dict(
+            load_plan_runners(engines_dir, slots, checkpoint=checkpoint_digest(manifest.checkpoint))
+        )
+    else:
+        runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads)
     tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}
     noise_path = engines_dir / FLOW_NOISE_NAME
     if config.family == "v1" and not noise_path.is_file():  # v1 draws fresh CFM noise per call
@@ -89,7 +105,7 @@ def load_engines(engines_dir: Path, threads: int | None = None, model_dir: Path 
     )
     return LoadedModel(
         config=config,
-        backend=ORT_BACKEND,
+        backend=backend,
         runners=runners,
         llm_tables=tables,
         flow_noise=flow_noise,

@@ -57,11 +57,11 @@ def load_backend(backend: str, model_dir: Path, engines: Path | None, threads: i
         )
     if engines is None:
         raise InputError(f"--backend {backend} needs --engines DIR (built with `trt-cosy build`).")
-    if backend == "onnxruntime":
-        from ..runtime.engines import load_engines
+    if backend not in ("onnxruntime", "tensorrt"):
+        raise InputError(f"unknown backend {backend!r}; use torch, onnxruntime or tensorrt.")
+    from ..runtime.engines import load_engines
 
-        return load_engines(engines, threads=threads, model_dir=model_dir)
-    raise InputError(f"the {backend} backend is not available in this version; use onnxruntime or torch.")
+    return load_engines(engines, threads=threads, model_dir=model_dir, backend=backend)
 
 
 def compute_outputs(model: LoadedModel, golden: GoldenSet) -> tuple[dict[str, Any], dict[str, str]]:
