@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+from _support import BLOCK_TORCH
 from click.testing import CliRunner
 
 # Shared fixtures and helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
@@ -26,18 +27,6 @@ from trt_cosy import InputError, Voice
 from trt_cosy.cli import main
 from trt_cosy.download import engines_cache_dir
 from trt_cosy.tts import CosyVoice
-
-_BLOCK_TORCH = textwrap.dedent(
-    """
-    import sys
-    class _NoTorch:
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch is blocked in this test")
-            return None
-    sys.meta_path.insert(0, _NoTorch())
-    """
-)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +232,7 @@ def test_download_options_are_checked(tmp_path, monkeypatch):
 
 
 def test_new_commands_import_no_torch():
-    code = _BLOCK_TORCH + textwrap.dedent(
+    code = BLOCK_TORCH + textwrap.dedent(
         """
         import trt_cosy.tts, trt_cosy.download
         from trt_cosy.cli import main
@@ -263,7 +252,7 @@ def test_new_commands_import_no_torch():
 def _run_cli_without_torch(
     commands: list[list[str]], env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
-    code = _BLOCK_TORCH + textwrap.dedent(
+    code = BLOCK_TORCH + textwrap.dedent(
         f"""
         from trt_cosy.cli import main
         for args in {commands!r}:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _support import BLOCK_TORCH
 
 from trt_cosy.build import engines as build_module
 from trt_cosy.build.export import ExportResult, graph_export_plan
@@ -262,23 +263,12 @@ def test_changed_checkpoint_byte_is_detected(tiny, tmp_path):
     assert not build_module._is_current(engines, build_module.hash_checkpoint(changed), "onnxruntime", "fp32")
 
 
-_BLOCK_TORCH = textwrap.dedent(
-    """
-    import sys
-    class _NoTorch:
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch is blocked in this test")
-            return None
-    sys.meta_path.insert(0, _NoTorch())
-    """
-)
 
 
 @pytest.mark.slow
 def test_engines_load_and_pass_golden_without_torch(tiny, v2_tiny_dir):
     release, engines = tiny
-    code = _BLOCK_TORCH + textwrap.dedent(
+    code = BLOCK_TORCH + textwrap.dedent(
         f"""
         from trt_cosy.runtime.engines import load_engines
         from trt_cosy.verify import format_table, run_verify

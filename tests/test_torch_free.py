@@ -6,21 +6,11 @@ import subprocess
 import sys
 import textwrap
 
-_BLOCK_TORCH = textwrap.dedent(
-    """
-    import sys
-    class _NoTorch:
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch is blocked in this test")
-            return None
-    sys.meta_path.insert(0, _NoTorch())
-    """
-)
+from _support import BLOCK_TORCH
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", _BLOCK_TORCH + textwrap.dedent(code)],
+    return subprocess.run([sys.executable, "-c", BLOCK_TORCH + textwrap.dedent(code)],
                           capture_output=True, text=True, timeout=120)
 
 
