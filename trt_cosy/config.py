@@ -349,32 +349,7 @@ def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelC
                 t_scheduler=str(cfm_values.get("t_scheduler", "cosine")),
             ),
         )
-        istft = hift.get("istft_params", {}) or {}
-        hift_config = HiFTConfig(
-            in_channels=int(hift.get("in_channels", 80)),
-            base_channels=int(hift.get("base_channels", 512)),
-            nb_harmonics=int(hift.get("nb_harmonics", 8)),
-            sampling_rate=int(hift.get("sampling_rate", 24000)),
-            nsf_alpha=float(hift.get("nsf_alpha", 0.1)),
-            nsf_sigma=float(hift.get("nsf_sigma", 0.003)),
-            nsf_voiced_threshold=float(hift.get("nsf_voiced_threshold", 10)),
-            upsample_rates=tuple(int(v) for v in hift["upsample_rates"]),
-            upsample_kernel_sizes=tuple(int(v) for v in hift["upsample_kernel_sizes"]),
-            istft_n_fft=int(istft.get("n_fft", 16)),
-            istft_hop_len=int(istft.get("hop_len", 4)),
-            resblock_kernel_sizes=tuple(int(v) for v in hift["resblock_kernel_sizes"]),
-            resblock_dilation_sizes=tuple(
-                tuple(int(d) for d in ds) for ds in hift["resblock_dilation_sizes"]
-            ),
-            source_resblock_kernel_sizes=tuple(int(v) for v in hift["source_resblock_kernel_sizes"]),
-            source_resblock_dilation_sizes=tuple(
-                tuple(int(d) for d in ds) for ds in hift["source_resblock_dilation_sizes"]
-            ),
-            lrelu_slope=float(hift.get("lrelu_slope", 0.1)),
-            audio_limit=float(hift.get("audio_limit", 0.99)),
-            f0_in_channels=int(f0.get("in_channels", 80)),
-            f0_cond_channels=int(f0.get("cond_channels", 512)),
-        )
+        hift_config = HiFTConfig(**hift_fields(hift, f0, default_rate=24000))
         mel_config = _mel_config(doc)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelDirError(
@@ -390,6 +365,36 @@ def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelC
         flow=flow_config,
         hift=hift_config,
         mel=mel_config,
+    )
+
+
+def hift_fields(hift: Tagged, f0: Tagged, default_rate: int) -> dict[str, Any]:
+    """The ``HiFTConfig`` fields of a yaml ``hift`` node and its ``f0_predictor`` (every family)."""
+
+    def ints(values: Any) -> tuple[int, ...]:
+        return tuple(int(v) for v in values)
+
+    istft = hift.get("istft_params", {}) or {}
+    return dict(
+        in_channels=int(hift.get("in_channels", 80)),
+        base_channels=int(hift.get("base_channels", 512)),
+        nb_harmonics=int(hift.get("nb_harmonics", 8)),
+        sampling_rate=int(hift.get("sampling_rate", default_rate)),
+        nsf_alpha=float(hift.get("nsf_alpha", 0.1)),
+        nsf_sigma=float(hift.get("nsf_sigma", 0.003)),
+        nsf_voiced_threshold=float(hift.get("nsf_voiced_threshold", 10)),
+        upsample_rates=ints(hift["upsample_rates"]),
+        upsample_kernel_sizes=ints(hift["upsample_kernel_sizes"]),
+        istft_n_fft=int(istft.get("n_fft", 16)),
+        istft_hop_len=int(istft.get("hop_len", 4)),
+        resblock_kernel_sizes=ints(hift["resblock_kernel_sizes"]),
+        resblock_dilation_sizes=tuple(ints(ds) for ds in hift["resblock_dilation_sizes"]),
+        source_resblock_kernel_sizes=ints(hift["source_resblock_kernel_sizes"]),
+        source_resblock_dilation_sizes=tuple(ints(ds) for ds in hift["source_resblock_dilation_sizes"]),
+        lrelu_slope=float(hift.get("lrelu_slope", 0.1)),
+        audio_limit=float(hift.get("audio_limit", 0.99)),
+        f0_in_channels=int(f0.get("in_channels", 80)),
+        f0_cond_channels=int(f0.get("cond_channels", 512)),
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from .config import YAML_BY_FAMILY, CFMConfig, EstimatorConfig, HiFTConfig, MelConfig
+from .config import YAML_BY_FAMILY, CFMConfig, EstimatorConfig, HiFTConfig, MelConfig, hift_fields
 from .errors import ModelDirError
 from .hyperyaml import Tagged, find_tagged, load_hyperyaml
 
@@ -229,30 +229,7 @@ def _v1_from_yaml(doc: dict[str, Any], source: Path) -> V1ModelConfig:
 
 def _hift_config(hift: Tagged, source: Path) -> HiFTConfig:
     f0 = _node(hift, "f0_predictor", "ConvRNNF0Predictor", source)
-    istft = hift.get("istft_params", {}) or {}
-    return HiFTConfig(
-        in_channels=int(hift.get("in_channels", 80)),
-        base_channels=int(hift.get("base_channels", 512)),
-        nb_harmonics=int(hift.get("nb_harmonics", 8)),
-        sampling_rate=int(hift.get("sampling_rate", 22050)),
-        nsf_alpha=float(hift.get("nsf_alpha", 0.1)),
-        nsf_sigma=float(hift.get("nsf_sigma", 0.003)),
-        nsf_voiced_threshold=float(hift.get("nsf_voiced_threshold", 10)),
-        upsample_rates=tuple(int(v) for v in hift["upsample_rates"]),
-        upsample_kernel_sizes=tuple(int(v) for v in hift["upsample_kernel_sizes"]),
-        istft_n_fft=int(istft.get("n_fft", 16)),
-        istft_hop_len=int(istft.get("hop_len", 4)),
-        resblock_kernel_sizes=tuple(int(v) for v in hift["resblock_kernel_sizes"]),
-        resblock_dilation_sizes=tuple(tuple(int(d) for d in ds) for ds in hift["resblock_dilation_sizes"]),
-        source_resblock_kernel_sizes=tuple(int(v) for v in hift["source_resblock_kernel_sizes"]),
-        source_resblock_dilation_sizes=tuple(
-            tuple(int(d) for d in ds) for ds in hift["source_resblock_dilation_sizes"]
-        ),
-        lrelu_slope=float(hift.get("lrelu_slope", 0.1)),
-        audio_limit=float(hift.get("audio_limit", 0.99)),
-        f0_in_channels=int(f0.get("in_channels", 80)),
-        f0_cond_channels=int(f0.get("cond_channels", 512)),
-    )
+    return HiFTConfig(**hift_fields(hift, f0, default_rate=22050))
 
 
 def _mel_config(doc: dict[str, Any]) -> MelConfig:

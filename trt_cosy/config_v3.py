@@ -27,6 +27,7 @@ from .config import (
     MelConfig,
     ModelConfig,
     QwenConfig,
+    hift_fields,
 )
 from .errors import ModelDirError
 from .hyperyaml import Tagged, find_tagged, load_hyperyaml
@@ -260,33 +261,10 @@ def _flow_config(flow: Tagged, token_mel_ratio: int, source: Path) -> V3FlowConf
     return config
 
 
-def _int_tuple(values: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
 def _hift_config(hift: Tagged, source: Path) -> CausalHiFTConfig:
     f0 = _child(hift, "f0_predictor", "CausalConvRNNF0Predictor", source)
-    istft = hift.get("istft_params", {}) or {}
     return CausalHiFTConfig(
-        in_channels=int(hift.get("in_channels", 80)),
-        base_channels=int(hift.get("base_channels", 512)),
-        nb_harmonics=int(hift.get("nb_harmonics", 8)),
-        sampling_rate=int(hift.get("sampling_rate", 24000)),
-        nsf_alpha=float(hift.get("nsf_alpha", 0.1)),
-        nsf_sigma=float(hift.get("nsf_sigma", 0.003)),
-        nsf_voiced_threshold=float(hift.get("nsf_voiced_threshold", 10)),
-        upsample_rates=_int_tuple(hift["upsample_rates"]),
-        upsample_kernel_sizes=_int_tuple(hift["upsample_kernel_sizes"]),
-        istft_n_fft=int(istft.get("n_fft", 16)),
-        istft_hop_len=int(istft.get("hop_len", 4)),
-        resblock_kernel_sizes=_int_tuple(hift["resblock_kernel_sizes"]),
-        resblock_dilation_sizes=tuple(_int_tuple(ds) for ds in hift["resblock_dilation_sizes"]),
-        source_resblock_kernel_sizes=_int_tuple(hift["source_resblock_kernel_sizes"]),
-        source_resblock_dilation_sizes=tuple(_int_tuple(ds) for ds in hift["source_resblock_dilation_sizes"]),
-        lrelu_slope=float(hift.get("lrelu_slope", 0.1)),
-        audio_limit=float(hift.get("audio_limit", 0.99)),
-        f0_in_channels=int(f0.get("in_channels", 80)),
-        f0_cond_channels=int(f0.get("cond_channels", 512)),
+        **hift_fields(hift, f0, default_rate=24000),
         conv_pre_look_right=int(hift.get("conv_pre_look_right", 4)),
     )
 
