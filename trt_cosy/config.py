@@ -273,18 +273,22 @@ def release_family(model_dir: Path) -> str:
     )
 
 
-def _node(doc: dict[str, Any], key: str, class_name: str, source: Path) -> Tagged:
+def yaml_node(
+    doc: dict[str, Any], key: str, class_name: str, source: Path, family: str = "CosyVoice2"
+) -> Tagged:
+    """The top-level ``!new:`` node ``key`` of class ``class_name``, or a ModelDirError naming the file."""
     node = doc.get(key)
     if not isinstance(node, Tagged) or node.class_name != class_name:
         found = node.class_name if isinstance(node, Tagged) else type(node).__name__
         raise ModelDirError(
             f"{source}: key '{key}' should be !new:...{class_name}, found {found}. "
-            "This is not a CosyVoice2 yaml; re-download the release."
+            f"This is not a {family} yaml; re-download the release."
         )
     return node
 
 
-def _child(parent: Tagged, key: str, class_name: str, source: Path) -> Tagged:
+def yaml_child(parent: Tagged, key: str, class_name: str, source: Path) -> Tagged:
+    """The node of class ``class_name`` under ``parent.key``, or a ModelDirError naming the file."""
     node = find_tagged(parent.kwargs.get(key), class_name)
     if node is None:
         raise ModelDirError(f"{source}: {parent.class_name}.{key} should be a {class_name}.")
@@ -293,13 +297,13 @@ def _child(parent: Tagged, key: str, class_name: str, source: Path) -> Tagged:
 
 def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelConfig:
     try:
-        llm = _node(doc, "llm", "Qwen2LM", source)
-        flow = _node(doc, "flow", "CausalMaskedDiffWithXvec", source)
-        hift = _node(doc, "hift", "HiFTGenerator", source)
-        encoder = _child(flow, "encoder", "UpsampleConformerEncoder", source)
-        cfm = _child(flow, "decoder", "CausalConditionalCFM", source)
-        estimator = _child(cfm, "estimator", "CausalConditionalDecoder", source)
-        f0 = _child(hift, "f0_predictor", "ConvRNNF0Predictor", source)
+        llm = yaml_node(doc, "llm", "Qwen2LM", source)
+        flow = yaml_node(doc, "flow", "CausalMaskedDiffWithXvec", source)
+        hift = yaml_node(doc, "hift", "HiFTGenerator", source)
+        encoder = yaml_child(flow, "encoder", "UpsampleConformerEncoder", source)
+        cfm = yaml_child(flow, "decoder", "CausalConditionalCFM", source)
+        estimator = yaml_child(cfm, "estimator", "CausalConditionalDecoder", source)
+        f0 = yaml_child(hift, "f0_predictor", "ConvRNNF0Predictor", source)
         sampling = llm.get("sampling")
         sampling_kwargs = sampling.kwargs if isinstance(sampling, Tagged) else {}
         cfm_params = cfm.get("cfm_params")

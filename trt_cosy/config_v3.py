@@ -28,9 +28,11 @@ from .config import (
     ModelConfig,
     QwenConfig,
     hift_fields,
+    yaml_child,
+    yaml_node,
 )
 from .errors import ModelDirError
-from .hyperyaml import Tagged, find_tagged, load_hyperyaml
+from .hyperyaml import Tagged, load_hyperyaml
 
 __all__ = [
     "V3_SPEECH_SPECIALS",
@@ -140,6 +142,9 @@ class V3ModelConfig(ModelConfig):
         return self.llm.speech_token_size + V3_EOS_OFFSET
 
 
+_FAMILY: Final = "CosyVoice3"
+
+
 def v3_config_from_release_dir(model_dir: Path) -> V3ModelConfig:
     """Read ``cosyvoice3.yaml`` and ``CosyVoice-BlankEN/config.json`` of a CosyVoice3 release."""
     model_dir = Path(model_dir)
@@ -159,28 +164,10 @@ def v3_config_from_release_dir(model_dir: Path) -> V3ModelConfig:
         ) from exc
 
 
-def _node(doc: dict[str, Any], key: str, class_name: str, source: Path) -> Tagged:
-    node = doc.get(key)
-    if not isinstance(node, Tagged) or node.class_name != class_name:
-        found = node.class_name if isinstance(node, Tagged) else type(node).__name__
-        raise ModelDirError(
-            f"{source}: key '{key}' should be !new:...{class_name}, found {found}. "
-            "This is not a CosyVoice3 yaml; re-download the release."
-        )
-    return node
-
-
-def _child(parent: Tagged, key: str, class_name: str, source: Path) -> Tagged:
-    node = find_tagged(parent.kwargs.get(key), class_name)
-    if node is None:
-        raise ModelDirError(f"{source}: {parent.class_name}.{key} should be a {class_name}.")
-    return node
-
-
 def _v3_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> V3ModelConfig:
-    llm = _node(doc, "llm", "CosyVoice3LM", source)
-    flow = _node(doc, "flow", "CausalMaskedDiffWithDiT", source)
-    hift = _node(doc, "hift", "CausalHiFTGenerator", source)
+    llm = yaml_node(doc, "llm", "CosyVoice3LM", source, _FAMILY)
+    flow = yaml_node(doc, "flow", "CausalMaskedDiffWithDiT", source, _FAMILY)
+    hift = yaml_node(doc, "hift", "CausalHiFTGenerator", source, _FAMILY)
     token_mel_ratio = int(doc.get("token_mel_ratio", flow.get("token_mel_ratio", 2)))
     return V3ModelConfig(
         family="v3",
@@ -217,9 +204,9 @@ def _llm_config(llm: Tagged, qwen: QwenConfig, source: Path) -> LLMConfig:
 
 
 def _flow_config(flow: Tagged, token_mel_ratio: int, source: Path) -> V3FlowConfig:
-    lookahead = _child(flow, "pre_lookahead_layer", "PreLookaheadLayer", source)
-    cfm = _child(flow, "decoder", "CausalConditionalCFM", source)
-    dit = _child(cfm, "estimator", "DiT", source)
+    lookahead = yaml_child(flow, "pre_lookahead_layer", "PreLookaheadLayer", source)
+    cfm = yaml_child(flow, "decoder", "CausalConditionalCFM", source)
+    dit = yaml_child(cfm, "estimator", "DiT", source)
     cfm_params = cfm.get("cfm_params")
     cfm_values = cfm_params.kwargs.get("content", {}) if isinstance(cfm_params, Tagged) else {}
     input_size = int(flow["input_size"])
@@ -262,7 +249,7 @@ def _flow_config(flow: Tagged, token_mel_ratio: int, source: Path) -> V3FlowConf
 
 
 def _hift_config(hift: Tagged, source: Path) -> CausalHiFTConfig:
-    f0 = _child(hift, "f0_predictor", "CausalConvRNNF0Predictor", source)
+    f0 = yaml_child(hift, "f0_predictor", "CausalConvRNNF0Predictor", source)
     return CausalHiFTConfig(
         **hift_fields(hift, f0, default_rate=24000),
         conv_pre_look_right=int(hift.get("conv_pre_look_right", 4)),

@@ -160,13 +160,19 @@ class _Resource:
             _LOGGER.debug("%s not freed cleanly: %r", type(self).__name__, exc)
 
 
-class DeviceBuffer(_Resource):
-    """Device memory that only grows: ``resize`` reallocates only when asked for more bytes."""
+class _GrowOnlyBuffer(_Resource):
+    """Memory that only grows: ``resize`` reallocates only when asked for more bytes."""
 
     def __init__(self, nbytes: int = 0):
         self.ptr, self.nbytes = 0, 0
         if nbytes:
             self.resize(nbytes)
+
+    def _allocate(self, nbytes: int) -> int:
+        raise NotImplementedError
+
+    def _release(self, ptr: int) -> None:
+        raise NotImplementedError
 
     def resize(self, nbytes: int) -> bool:
         """Make room for ``nbytes``; True when it reallocated (old contents are lost then)."""
@@ -174,14 +180,24 @@ class DeviceBuffer(_Resource):
             return False
         size = _aligned(nbytes)
         self.free()
-        self.ptr = int(cuda_call(bindings().cudaMalloc(size)))
+        self.ptr = self._allocate(size)
         self.nbytes = size
         return True
 
     def free(self) -> None:
         if self.ptr:
             ptr, self.ptr, self.nbytes = self.ptr, 0, 0
-            cuda_call(bindings().cudaFree(ptr))
+            self._release(ptr)
+
+
+class DeviceBuffer(_GrowOnlyBuffer):
+    """Device memory that only grows (``cudaMalloc``)."""
+
+    def _allocate(self, nbytes: int) -> int:
+        return int(cuda_call(bindings().cudaMalloc(nbytes)))
+
+    def _release(self, ptr: int) -> None:
+        cuda_call(bindings().cudaFree(ptr))
 
     def copy_from_async(self, host: PinnedBuffer, nbytes: int, stream: Stream) -> None:
         kind = bindings().cudaMemcpyKind.cudaMemcpyHostToDevice
@@ -192,22 +208,14 @@ class DeviceBuffer(_Resource):
         cuda_call(bindings().cudaMemcpyAsync(host.ptr, self.ptr, int(nbytes), kind, stream.handle))
 
 
-class PinnedBuffer(_Resource):
+class PinnedBuffer(_GrowOnlyBuffer):
     """Page-locked host memory (fast, truly asynchronous copies) with numpy views."""
 
-    def __init__(self, nbytes: int = 0):
-        self.ptr, self.nbytes = 0, 0
-        if nbytes:
-            self.resize(nbytes)
+    def _allocate(self, nbytes: int) -> int:
+        return int(cuda_call(bindings().cudaMallocHost(nbytes)))
 
-    def resize(self, nbytes: int) -> bool:
-        if nbytes <= self.nbytes and self.ptr:
-            return False
-        size = _aligned(nbytes)
-        self.free()
-        self.ptr = int(cuda_call(bindings().cudaMallocHost(size)))
-        self.nbytes = size
-        return True
+    def _release(self, ptr: int) -> None:
+        cuda_call(bindings().cudaFreeHost(ptr))
 
     def view(self, dtype: np.dtype | str, shape: tuple[int, ...]) -> np.ndarray:
         """A numpy array over the first bytes of the buffer (valid until the next growing resize)."""
@@ -219,11 +227,6 @@ class PinnedBuffer(_Resource):
             )
         raw = (ctypes.c_byte * self.nbytes).from_address(self.ptr)
         return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
-
-    def free(self) -> None:
-        if self.ptr:
-            ptr, self.ptr, self.nbytes = self.ptr, 0, 0
-            cuda_call(bindings().cudaFreeHost(ptr))
 
 
 class Stream(_Resource):
