@@ -62,16 +62,26 @@ _V1_DEFAULT_TOLERANCE: Final = 1e-4
 
 
 def check_family_options(model_dir: Path, backend: str, precision: str) -> str:
-    """The release's family; CosyVoice 1 and 3 build ONNX Runtime fp32 engines only (``InputError``).
+    """The release's family; ``InputError`` when this backend/precision cannot be built for it.
 
-    The reduced precisions (``build.quantize``) and the TensorRT graph preparation
-    (``build.tensorrt``) know the CosyVoice2 graph set only.
+    Which families each path knows is data kept next to the code that does the work:
+    ``quantize.QUANTIZABLE_FAMILIES`` (int8/int4 graphs) and ``tensorrt.TRT_FAMILIES`` (fp16 graphs
+    and plans).
     """
+    from .quantize import QUANTIZABLE_FAMILIES
+    from .tensorrt import TRT_FAMILIES
+
     family = release_family(model_dir)
-    if family != "v2" and (backend != "onnxruntime" or precision != "fp32"):
+    if backend == "tensorrt":
+        supported = TRT_FAMILIES
+    elif precision != "fp32":
+        supported = QUANTIZABLE_FAMILIES
+    else:
+        return family
+    if family not in supported:
         raise InputError(
-            f"{backend}/{precision} engines are only available for CosyVoice2 in this version; build "
-            f"{model_dir} with --backend onnxruntime --precision fp32."
+            f"{backend}/{precision} engines are not available for this model family ({family}) in this "
+            f"version; build {model_dir} with --backend onnxruntime --precision fp32."
         )
     return family
 

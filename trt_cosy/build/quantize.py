@@ -30,6 +30,7 @@ from ..runtime import graphs
 
 __all__ = [
     "QUANTIZED_PRECISIONS",
+    "QUANTIZABLE_FAMILIES",
     "StagePlan",
     "precision_plan",
     "fuse_rms_norm",
@@ -42,6 +43,8 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 QUANTIZED_PRECISIONS: Final = ("int8", "int4")
+# Model families whose graph sets precision_plan() knows (config.family values).
+QUANTIZABLE_FAMILIES: Final = frozenset({"v2"})
 _NBITS_BLOCK: Final = 32
 _INT8_COMPUTE: Final = 4  # MatMulNBits accuracy_level 4: int8 activations, integer dot products
 # Protobuf caps a file at 2 GiB; larger graphs keep their weights in <graph>.onnx.data.

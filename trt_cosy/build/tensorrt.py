@@ -53,6 +53,7 @@ from ..runtime.trt import (
 
 __all__ = [
     "TRT_PRECISIONS",
+    "TRT_FAMILIES",
     "TRT_SUMMARY_NAME",
     "TIMING_CACHE_NAME",
     "prepare_trt_graphs",
@@ -64,6 +65,8 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 TRT_PRECISIONS: Final = ("fp16", "fp32")
+# Model families whose graph sets prepare_trt_graphs() and the profiles know (config.family values).
+TRT_FAMILIES: Final = frozenset({"v2"})
 TRT_SUMMARY_NAME: Final = "tensorrt.json"
 TIMING_CACHE_NAME: Final = "timing.cache"
 
