@@ -8,6 +8,7 @@
 #   WORK=/data/gpu-check bash scripts/gpu_check.sh   # keep the artefacts somewhere known
 #
 # Needs: pip install -e '.[gpu,cpu,build]' (torch for the export), an NVIDIA driver, ~15 GB disk for full.
+# Exit status 3: the CUDA checks ran but TensorRT is not installed (the plan checks were not run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,11 +37,18 @@ step() {  # step NAME COMMAND...: run, log to $LOGS/NAME.log, say how long it to
 
 echo "== trt-cosy GPU check: work dir $WORK"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python - <<'PY'
+
+# 0. CUDA plumbing (needs cuda-python and a device, not TensorRT): TrtRunner's buffers, streams,
+#    events and stage hand-off on real device memory, and the runtime's launch overhead.
+step cuda-tests python -m pytest -q -rs -p no:cacheprovider tests/test_cuda_gpu.py
+step cuda-plumbing python bench/gpu_plumbing.py --json "$WORK/plumbing.json"
+sed 's/^/    /' "$LOGS/cuda-plumbing.log"
+
+python - <<'PY' || exit 3
 from trt_cosy.runtime.cuda import gpu_unavailable_reason, device_info
 reason = gpu_unavailable_reason()
 if reason:
-    raise SystemExit(f"cannot run the GPU check: {reason}")
+    raise SystemExit(f"CUDA checks passed; the TensorRT checks cannot run: {reason}")
 import tensorrt
 print(f"GPU {device_info()}  TensorRT {tensorrt.__version__}")
 PY

@@ -22,6 +22,7 @@ __all__ = [
     "bindings",
     "cuda_call",
     "device_count",
+    "cuda_unavailable_reason",
     "gpu_unavailable_reason",
     "device_info",
     "memory_info",
@@ -34,6 +35,7 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 _BINDINGS: Any = None  # the cuda.bindings.runtime module once imported (tests install a fake here)
+_NATIVE_HANDLE: Any = None  # handle -> int converter, chosen on first use
 _ALIGN: Final = (
     256  # TensorRT wants 256-byte aligned I/O; cudaMalloc already gives that, sizes are rounded too
 )
@@ -99,12 +101,8 @@ def device_count() -> int:
     return int(count) if int(err) == 0 else 0
 
 
-def gpu_unavailable_reason() -> str | None:
-    """Why TensorRT cannot run here (no tensorrt/cuda-python, no device), or None when it can.
-
-    Checks the device count before anything touches TensorRT: creating a TensorRT runtime without a
-    GPU crashes the process (docs/environment-notes.md).
-    """
+def cuda_unavailable_reason() -> str | None:
+    """Why CUDA cannot be used here (no cuda-python, no driver, no device), or None when it can."""
     try:
         runtime = bindings()
     except MissingDependencyError as exc:
@@ -113,11 +111,39 @@ def gpu_unavailable_reason() -> str | None:
     if int(err) != 0 or not count:
         name, _ = _error_name(err) if int(err) != 0 else ("no device", "")
         return f"no CUDA device ({name})"
+    return None
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why TensorRT cannot run here (no tensorrt/cuda-python, no device), or None when it can.
+
+    Checks the device count before anything touches TensorRT: creating a TensorRT runtime without a
+    GPU crashes the process (docs/environment-notes.md).
+    """
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        return reason
     try:
         import tensorrt  # noqa: F401
     except ImportError as exc:
         return f"tensorrt is not installed ({exc}); pip install 'trt-cosy[gpu]'"
     return None
+
+
+def native_handle(obj: Any) -> int:
+    """The address behind a cuda-python handle (stream, event) as an int, as TensorRT takes it."""
+    if obj is None:
+        return 0
+    global _NATIVE_HANDLE
+    if _NATIVE_HANDLE is None:
+        try:  # cuda-bindings >= 13: int(handle) is deprecated in favour of this helper
+            from cuda.bindings.utils import get_cuda_native_handle as _NATIVE_HANDLE
+        except ImportError:
+            _NATIVE_HANDLE = int
+    try:
+        return int(_NATIVE_HANDLE(obj))
+    except TypeError:  # a plain int (the CPU tests' fake bindings)
+        return int(obj)
 
 
 def device_info(device: int = 0) -> dict[str, Any]:
@@ -207,6 +233,11 @@ class DeviceBuffer(_GrowOnlyBuffer):
         kind = bindings().cudaMemcpyKind.cudaMemcpyDeviceToHost
         cuda_call(bindings().cudaMemcpyAsync(host.ptr, self.ptr, int(nbytes), kind, stream.handle))
 
+    def copy_from_device_async(self, source: int, nbytes: int, stream: Stream) -> None:
+        """Copy ``nbytes`` from the device address ``source`` into this buffer (stream ordered)."""
+        kind = bindings().cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        cuda_call(bindings().cudaMemcpyAsync(self.ptr, int(source), int(nbytes), kind, stream.handle))
+
 
 class PinnedBuffer(_GrowOnlyBuffer):
     """Page-locked host memory (fast, truly asynchronous copies) with numpy views."""
@@ -239,7 +270,7 @@ class Stream(_Resource):
     @property
     def ptr(self) -> int:
         """The stream as an integer, as TensorRT's ``execute_async_v3(stream_handle)`` takes it."""
-        return int(self.handle) if self.handle is not None else 0
+        return native_handle(self.handle)
 
     def synchronize(self) -> None:
         cuda_call(bindings().cudaStreamSynchronize(self.handle))
