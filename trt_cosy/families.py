@@ -40,7 +40,7 @@ import numpy as np
 from .audio import load_audio
 from .errors import InputError
 from .frontend.features import SPEAKER_SAMPLE_RATE, flow_prompt_mel
-from .frontend.tokenizer import ENDOFPROMPT, QwenTextTokenizer
+from .frontend.tokenizer import ENDOFPROMPT, QwenTextTokenizer, special_tokens_for
 from .frontend.tokenizer_v1 import WhisperTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder, _check_reference
 from .pipeline import Request, Stages
@@ -94,10 +94,13 @@ class V1TextTokenizer(WhisperTextTokenizer):
 
 
 def load_text_tokenizer(family: str, tokenizer_dir: Path) -> QwenTextTokenizer | V1TextTokenizer:
-    """The text tokenizer carried by the engines (``tokenizer/``): whisper ranks (v1) or Qwen2 (v2/v3)."""
+    """The text tokenizer carried by the engines (``tokenizer/``): whisper ranks (v1) or Qwen2 (v2/v3).
+
+    v2 and v3 share the Qwen2 files but add different special tokens (``special_tokens_for``).
+    """
     if family == "v1":
         return V1TextTokenizer(Path(tokenizer_dir))
-    return QwenTextTokenizer.from_dir(tokenizer_dir)
+    return QwenTextTokenizer.from_dir(tokenizer_dir, special_tokens_for(family))
 
 
 class V1VoiceBuilder(VoiceBuilder):

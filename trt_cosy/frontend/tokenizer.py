@@ -1,9 +1,13 @@
 """CosyVoice2/3 text tokenizer: Qwen2 byte-level BPE plus the CosyVoice special tokens (spec §2.3).
 
 Built with the `tokenizers` library only (no transformers). It reproduces what the official
-``CosyVoice2Tokenizer`` gets from ``AutoTokenizer.from_pretrained(CosyVoice-BlankEN)`` followed by
-``add_special_tokens``: on the released vocabulary ``<|endoftext|>`` = 151643, ``<|im_start|>`` = 151644,
-``<|im_end|>`` = 151645, ``<|endofprompt|>`` = 151646 … ``[mn]`` = 151662, and ``len()`` = 151663.
+``CosyVoice2Tokenizer`` / ``CosyVoice3Tokenizer`` get from ``AutoTokenizer.from_pretrained(CosyVoice-BlankEN)``
+followed by ``add_special_tokens``: a listed token already in the vocabulary keeps its id, every other one
+gets the next free id, in list order. On the released vocabulary ``<|endoftext|>`` = 151643,
+``<|im_start|>`` = 151644, ``<|im_end|>`` = 151645, ``<|endofprompt|>`` = 151646 … ``[mn]`` = 151662 for
+both families; v2 stops there (``len()`` = 151663), v3 goes on with ``<|endofsystem|>`` = 151663, the
+ARPAbet phones ``[AA]`` = 151664 … ``[ZH]`` = 151747 and the pinyin units ``[a]`` = 151748 … ``[ǜ]`` =
+151923 (``len()`` = 151924). Pick the list with `special_tokens_for`.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from ..errors import ModelDirError
 
 __all__ = [
     "COSYVOICE2_SPECIAL_TOKENS",
+    "COSYVOICE3_SPECIAL_TOKENS",
     "ENDOFTEXT",
     "QWEN2_SPLIT_PATTERN",
     "QwenTextTokenizer",
     "build_qwen2_tokenizer",
+    "special_tokens_for",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -52,12 +58,62 @@ COSYVOICE2_SPECIAL_TOKENS: Final = (
     "[lipsmack]",
     "[mn]",
 )
+ENDOFSYSTEM: Final = "<|endofsystem|>"
+# CosyVoice3's ARPAbet phones (the CMUdict set) in alphabetical order; a vowel is followed by its
+# stressed forms 0, 1, 2 (``[AA]``, ``[AA0]``, ``[AA1]``, ``[AA2]``, ``[AE]`` …).
+_ARPABET_PHONES: Final = (
+    "AA AE AH AO AW AY B CH D DH EH ER EY F G HH IH IY JH K L M N NG OW OY P R S SH T TH UH UW V W Y Z ZH"
+).split()
+_ARPABET_VOWELS: Final = frozenset("AA AE AH AO AW AY EH ER EY IH IY OW OY UH UW".split())
+# CosyVoice3's pinyin initials and tone-marked finals, in code-point order (the official list's order).
+_PINYIN_UNITS: Final = """
+    a ai an ang ao b c ch d e ei en eng f g h i ian in ing iu ià iàn iàng iào iá ián iáng iáo iè ié iòng
+    ióng iù iú iā iān iāng iāo iē iě iōng iū iǎ iǎn iǎng iǎo iǒng iǔ j k l m n o ong ou p q r s sh t u
+    uang ue un uo uà uài uàn uàng uá uái uán uáng uè ué uì uí uò uó uā uāi uān uāng uē uě uī uō uǎ uǎi
+    uǎn uǎng uǐ uǒ vè w x y z zh à ài àn àng ào á ái án áng áo è èi èn èng èr é éi én éng ér ì ìn ìng í
+    ín íng ò òng òu ó óng óu ù ùn ú ún ā āi ān āng āo ē ēi ēn ēng ě ěi ěn ěng ěr ī īn īng ō ōng ōu ū
+    ūn ǎ ǎi ǎn ǎng ǎo ǐ ǐn ǐng ǒ ǒng ǒu ǔ ǔn ǘ ǚ ǜ
+""".split()
+
+
+def _arpabet_tokens() -> tuple[str, ...]:
+    tokens = []
+    for phone in _ARPABET_PHONES:
+        stresses = ("", "0", "1", "2") if phone in _ARPABET_VOWELS else ("",)
+        tokens.extend(f"[{phone}{stress}]" for stress in stresses)
+    return tuple(tokens)
+
+
+# Official CosyVoice3Tokenizer additional_special_tokens, in list order: the v2 list, <|endofsystem|>,
+# 84 ARPAbet tokens, 176 pinyin tokens (280 in all; 278 are new on the released vocabulary).
+COSYVOICE3_SPECIAL_TOKENS: Final = (
+    *COSYVOICE2_SPECIAL_TOKENS,
+    ENDOFSYSTEM,
+    *_arpabet_tokens(),
+    *(f"[{unit}]" for unit in _PINYIN_UNITS),
+)
+_SPECIAL_TOKENS_BY_FAMILY: Final = {"v2": COSYVOICE2_SPECIAL_TOKENS, "v3": COSYVOICE3_SPECIAL_TOKENS}
 # Qwen2's pre-tokenizer split pattern (contractions, letter runs, single digits, punctuation, spaces).
 QWEN2_SPLIT_PATTERN: Final = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _MERGES_HEADER: Final = "#version:"
+
+
+def special_tokens_for(family: str) -> tuple[str, ...]:
+    """The special tokens the official tokenizer of ``family`` ("v2" or "v3") adds, in id order.
+
+    Raises:
+        ValueError: ``family`` has no Qwen2 text tokenizer (CosyVoice 1 uses the whisper one).
+    """
+    try:
+        return _SPECIAL_TOKENS_BY_FAMILY[family]
+    except KeyError:
+        raise ValueError(
+            f"model family {family!r} has no Qwen2 text tokenizer; expected one of "
+            f"{', '.join(_SPECIAL_TOKENS_BY_FAMILY)} (CosyVoice 1 uses WhisperTextTokenizer)."
+        ) from None
 
 
 def build_qwen2_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Tokenizer:
@@ -189,7 +245,8 @@ class QwenTextTokenizer:
 
         Uses ``tokenizer.json`` when present, else ``vocab.json`` + ``merges.txt``; then adds the
         tokens of ``tokenizer_config.json``'s ``added_tokens_decoder`` (by id), ``<|endoftext|>`` and
-        ``special_tokens`` in order (tokens already present keep their ids).
+        ``special_tokens`` in order (tokens already present keep their ids). The default is the
+        CosyVoice2 list; pass ``special_tokens_for(family)`` for another family.
 
         Raises:
             ModelDirError: a file is missing or malformed, or an added token does not get the id that
@@ -228,5 +285,5 @@ class QwenTextTokenizer:
         return self._tokenizer.token_to_id(token)
 
     def __len__(self) -> int:
-        """Number of ids including added tokens (151663 for the released CosyVoice2 vocabulary)."""
+        """Number of ids including added tokens (151663 for the released CosyVoice2 vocabulary, 151924 for v3)."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
