@@ -115,11 +115,10 @@ def _inputs(model: LoadedModel, engines_dir: Path, options: BenchOptions) -> _In
     config = model.config
     vocab = min(2048, config.llm.qwen.vocab_size)
     if options.text is not None:
-        from .frontend.tokenizer import QwenTextTokenizer
+        from .families import load_text_tokenizer
 
-        text = np.asarray(
-            QwenTextTokenizer.from_dir(engines_dir / TOKENIZER_DIR).encode(options.text), np.int64
-        )
+        tokenizer = load_text_tokenizer(config.family, engines_dir / TOKENIZER_DIR)
+        text = np.asarray(tokenizer.encode(options.text), np.int64)
     else:
         text = rng.integers(0, vocab, 24)
     feat = rng.normal(-5.0, 2.0, (1, 2 * options.prompt_tokens, config.flow.output_size))

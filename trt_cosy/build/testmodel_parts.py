@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import QWEN_DIR
+from ..frontend.tokenizer import special_tokens_for
 from .tokenizer_writer import write_test_tokenizer
 
 __all__ = [
@@ -78,8 +79,9 @@ _TIED_HEAD: Final = "llm.model.lm_head.weight"
 _TIED_EMBEDDING: Final = "llm.model.model.embed_tokens.weight"
 
 
-def write_qwen_dir(root: Path, size: str) -> None:
-    """``CosyVoice-BlankEN/``: the Qwen2 config, generation config and a small real BPE tokenizer."""
+def write_qwen_dir(root: Path, size: str, family: str = "v2") -> None:
+    """``CosyVoice-BlankEN/``: the Qwen2 config, generation config and a small real BPE tokenizer
+    leaving room for the ``family``'s special tokens."""
     qwen_dir = root / QWEN_DIR
     qwen_dir.mkdir()
     qwen = {**_QWEN_COMMON, **QWEN_CONFIGS[size]}
@@ -88,7 +90,8 @@ def write_qwen_dir(root: Path, size: str) -> None:
     (qwen_dir / "generation_config.json").write_text(
         json.dumps(generation, indent=2) + "\n", encoding="utf-8"
     )
-    write_test_tokenizer(qwen_dir, min(_TEST_TOKENIZER_VOCAB, qwen["vocab_size"]))
+    vocab_size = min(_TEST_TOKENIZER_VOCAB, qwen["vocab_size"])
+    write_test_tokenizer(qwen_dir, vocab_size, special_tokens_for(family))
 
 
 def save_state(state: dict[str, torch.Tensor], path: Path) -> None:

@@ -81,7 +81,7 @@ def write_release_v3(root: Path, size: str, seed: int) -> None:
     """A Fun-CosyVoice3-0.5B-style directory in ``root``."""
     sizes = V3_TINY_SIZES if size == "tiny" else V3_FULL_SIZES
     (root / "cosyvoice3.yaml").write_text(render_cosyvoice3_yaml(sizes, size), encoding="utf-8")
-    write_qwen_dir(root, size)
+    write_qwen_dir(root, size, family="v3")
     config = v3_config_from_release_dir(root)
     generator_state = torch.random.get_rng_state()
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -23,8 +24,6 @@ __all__ = ["write_test_tokenizer"]
 
 _LOGGER = logging.getLogger(__name__)
 
-# <|endoftext|> plus the CosyVoice2 special tokens: the ids reserved above the BPE vocabulary.
-_RESERVED_IDS: Final = 1 + len(COSYVOICE2_SPECIAL_TOKENS)
 _BYTE_ALPHABET_SIZE: Final = 256
 _CONFIG_TOKENS: Final = (ENDOFTEXT, "<|im_start|>", "<|im_end|>")
 _CORPUS: Final = (
@@ -95,24 +94,29 @@ def _tokenizer_config(first_added_id: int) -> dict:
     }
 
 
-def write_test_tokenizer(qwen_dir: Path, vocab_size: int) -> None:
+def write_test_tokenizer(
+    qwen_dir: Path, vocab_size: int, special_tokens: Sequence[str] = COSYVOICE2_SPECIAL_TOKENS
+) -> None:
     """Write ``vocab.json``, ``merges.txt`` and ``tokenizer_config.json`` of a small Qwen2-style tokenizer.
 
-    The BPE ids stay below ``vocab_size - 20`` so that ``<|endoftext|>`` and the 19 CosyVoice2 special
-    tokens (ids right after the BPE vocabulary) also fit into a text embedding of ``vocab_size`` rows.
+    The BPE ids stay below ``vocab_size - 1 - len(special_tokens)`` so that ``<|endoftext|>`` and the
+    family's special tokens (ids right after the BPE vocabulary: 19 for CosyVoice2, 280 for
+    CosyVoice3) also fit into a text embedding of ``vocab_size`` rows.
 
     Args:
         qwen_dir: the ``CosyVoice-BlankEN`` directory (created if needed).
         vocab_size: rows of the model's text embedding (Qwen2 ``config.json`` ``vocab_size``).
+        special_tokens: the special tokens the runtime adds (``frontend.tokenizer.special_tokens_for``).
 
     Raises:
         InputError: ``vocab_size`` leaves no room for the 256 byte tokens and the special tokens.
     """
-    vocab_limit = vocab_size - _RESERVED_IDS
+    reserved = 1 + len(special_tokens)  # <|endoftext|> and the special tokens
+    vocab_limit = vocab_size - reserved
     if vocab_limit < _BYTE_ALPHABET_SIZE:
         raise InputError(
             f"vocab_size {vocab_size} is too small for a byte-level tokenizer: it needs at least "
-            f"{_BYTE_ALPHABET_SIZE + _RESERVED_IDS} ids."
+            f"{_BYTE_ALPHABET_SIZE + reserved} ids."
         )
     vocab, merges = _vocab_and_merges(_train(vocab_limit))
     qwen_dir = Path(qwen_dir)
