@@ -48,7 +48,7 @@ from .pipeline_families import V1Request, V1Stages, V3Request, V3Stages
 from .runtime.base import Runner
 from .runtime.graphs_v1 import V1_FLOW_ENCODER, V1_FLOW_ESTIMATOR, V1_HIFT, V1_LLM, V1_TEXT_ENCODER
 from .runtime.model import LoadedModel
-from .stages.flow import FlowStage
+from .stages.flow import FlowStage, device_euler_loops
 from .stages.llm import LLMStage
 from .stages.v1 import V1FlowStage, V1LLMStage, V1Synthesizer
 from .stages.v3 import V3VocoderStage
@@ -162,6 +162,7 @@ def build_stages(model: LoadedModel) -> Stages | V1Stages | V3Stages:
         runners["flow_estimator_stream"],
         model.flow_noise,
         config.flow,
+        step_loops=device_euler_loops(runners, config.flow),  # TensorRT step plans, when built
     )
     if config.family == "v3":
         vocoder = V3VocoderStage(runners["hift"], runners["hift_stream"], model.hift_noise, config.hift)

@@ -18,8 +18,9 @@ import numpy as np
 from ..config import FlowConfig
 from ..errors import InputError
 from ..runtime.base import Runner
+from ..runtime.euler import FLOW_STEP, FLOW_STEP_STREAM, DeviceEulerLoop, guidance_feed, step_schedule
 
-__all__ = ["FlowOutput", "FlowStage", "cosine_t_span", "solve_euler"]
+__all__ = ["FlowOutput", "FlowStage", "cosine_t_span", "solve_euler", "device_euler_loops"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -103,6 +104,20 @@ def solve_euler(
     return x.astype(np.float32, copy=False)
 
 
+def device_euler_loops(runners: Mapping[str, Runner], config: FlowConfig) -> dict[bool, DeviceEulerLoop]:
+    """``{streaming: DeviceEulerLoop}`` for the step graphs among ``runners`` (TensorRT plans of
+    ``flow_step`` / ``flow_step_stream``); empty when there are none (ONNX Runtime, torch)."""
+    names = {False: FLOW_STEP.name, True: FLOW_STEP_STREAM.name}
+    if not any(name in runners for name in names.values()):
+        return {}
+    schedule = step_schedule(cosine_t_span(config.cfm.n_timesteps))  # [n, 2] (t, dt)
+    return {
+        streaming: DeviceEulerLoop(runners[name], schedule)
+        for streaming, name in names.items()
+        if name in runners
+    }
+
+
 def _infer(runner: Runner, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return runner.infer({name: feed[name] for name in runner.input_names})
 
@@ -116,6 +131,9 @@ class FlowStage:
         estimator_stream_runner: ``FLOW_ESTIMATOR_STREAM`` contract (chunk attention).
         noise: the fixed start noise [1, 80, F] (the official prefix of ``randn(1, 80, 15000)``).
         config: the flow configuration of the release.
+        step_loops: optional ``{streaming: DeviceEulerLoop}`` (``device_euler_loops``): the whole
+            Euler solve chained on the GPU through the step graphs, instead of ``solve_euler``'s
+            host loop; the guidance rate and step count are baked into the step graphs and schedule.
     """
 
     def __init__(
@@ -125,7 +143,9 @@ class FlowStage:
         estimator_stream_runner: Runner,
         noise: np.ndarray,
         config: FlowConfig,
+        step_loops: Mapping[bool, DeviceEulerLoop] | None = None,
     ):
+        self.step_loops = dict(step_loops or {})
         self.encoder_runner = encoder_runner
         self.estimator_runner = estimator_runner
         self.estimator_stream_runner = estimator_stream_runner
@@ -211,18 +231,16 @@ class FlowStage:
         cond = np.zeros_like(mu)  # [1, 80, T]
         cond[0, :, :prompt_frames] = prompt_feat[0].T
         mask = np.ones((1, 1, frames), np.float32)  # [1, 1, T]
-        estimator = self.estimator_stream_runner if streaming else self.estimator_runner
-        cfm = self.config.cfm
-        mel = solve_euler(
-            estimator,
-            mu,
-            mask,
-            spks,
-            cond,
-            self.noise[:, :, :frames],
-            cfm.n_timesteps,
-            cfm.inference_cfg_rate,
-        )  # [1, 80, T]
+        noise = self.noise[:, :, :frames]  # [1, 80, T]
+        loop = self.step_loops.get(streaming)
+        if loop is not None:  # TensorRT: all steps queued on the device, one synchronize
+            mel = loop.run(guidance_feed(noise, mu, mask, spks, cond))  # [1, 80, T]
+        else:
+            estimator = self.estimator_stream_runner if streaming else self.estimator_runner
+            cfm = self.config.cfm
+            mel = solve_euler(
+                estimator, mu, mask, spks, cond, noise, cfm.n_timesteps, cfm.inference_cfg_rate
+            )  # [1, 80, T]
         _LOGGER.debug(
             "flow: %d tokens -> %d frames (streaming=%s, finalize=%s)",
             all_tokens.shape[1],

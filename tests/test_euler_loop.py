@@ -1,0 +1,402 @@
+"""DeviceEulerLoop: the whole Euler solve queued on a step runner's stream, no host synchronisation inside.
+
+A real ``TrtRunner`` over a fake step engine whose ``execute_async_v3`` computes the guided Euler
+step in numpy on the bound addresses, with fake cuda bindings over host memory (every call logged);
+on a GPU, the same loop over real cuda-python memory and streams with a copy step (no TensorRT).
+The numpy estimator and the inputs are those of tests/test_flow_step.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import gc
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_flow_step import CFG_RATE, MELS, _host_solve, _inputs, _NumpyEstimator, _scaled_error, _velocity
+
+from trt_cosy.config import ModelConfig
+from trt_cosy.runtime import cuda
+from trt_cosy.runtime.euler import (
+    FLOW_STEP,
+    TIME_STRIDE,
+    DeviceEulerLoop,
+    guidance_feed,
+    step_profiles,
+    step_schedule,
+)
+from trt_cosy.runtime.graphs import FLOW_ESTIMATOR
+from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, default_profiles
+from trt_cosy.runtime.trt import TrtRunner
+from trt_cosy.stages.flow import cosine_t_span
+
+# -- fake cuda bindings and a fake step engine -----------------------------------------------------------
+
+
+class _Err(enum.IntEnum):
+    cudaSuccess = 0
+
+
+class _FakeCuda:
+    """``cuda.bindings.runtime`` over host memory: copies are memmoves; every call is logged."""
+
+    cudaError_t = _Err
+    cudaStreamNonBlocking, cudaEventDisableTiming, cudaEventDefault = 1, 2, 0
+    cudaMemcpyKind = SimpleNamespace(
+        cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3
+    )
+    OK = (_Err.cudaSuccess,)
+
+    def __init__(self):
+        self.blocks, self.calls, self.handles = {}, [], 100
+
+    def _handle(self):
+        self.handles += 1
+        return (_Err.cudaSuccess, self.handles)
+
+    def cudaMalloc(self, size):
+        block = ctypes.create_string_buffer(size)
+        self.blocks[ctypes.addressof(block)] = block
+        return (_Err.cudaSuccess, ctypes.addressof(block))
+
+    cudaMallocHost = cudaMalloc
+
+    def cudaFree(self, ptr):
+        self.blocks.pop(ptr)
+        return self.OK
+
+    cudaFreeHost = cudaFree
+
+    def cudaMemcpyAsync(self, dst, src, count, kind, stream):
+        ctypes.memmove(dst, src, count)
+        self.calls.append(("copy", kind, count, src, dst))
+        return self.OK
+
+    def cudaStreamCreateWithFlags(self, flags):
+        return self._handle()
+
+    def cudaEventCreateWithFlags(self, flags):
+        return self._handle()
+
+    def cudaStreamSynchronize(self, stream):
+        self.calls.append(("synchronize", stream))
+        return self.OK
+
+    def cudaEventSynchronize(self, event):
+        self.calls.append(("synchronize", event))
+        return self.OK
+
+    def cudaStreamWaitEvent(self, stream, event, flags):
+        self.calls.append(("wait", stream, event))
+        return self.OK
+
+    def cudaEventRecord(self, event, stream):
+        self.calls.append(("record", event, stream))
+        return self.OK
+
+    def cudaStreamDestroy(self, handle):
+        return self.OK
+
+    cudaEventDestroy = cudaStreamDestroy
+
+    def count(self, kind: str) -> int:
+        return sum(1 for call in self.calls if call[0] == kind)
+
+
+def _array(ptr: int, shape: tuple[int, ...]) -> np.ndarray:
+    count = int(np.prod(shape))
+    return np.frombuffer((ctypes.c_float * count).from_address(ptr), np.float32).reshape(shape)
+
+
+class _FakeStepContext:
+    """Runs one guided Euler step in numpy on the bound "device" addresses."""
+
+    def __init__(self, calls: list):
+        self.calls, self.shapes, self.addresses = calls, {}, {}
+
+    def set_optimization_profile_async(self, index, stream):
+        self.shapes = {}
+        return True
+
+    def set_input_shape(self, name, shape):
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def get_tensor_shape(self, name):
+        return self.shapes["x"] if name == "x_next" else self.shapes[name]
+
+    def set_tensor_address(self, name, ptr):
+        self.addresses[name] = ptr
+        return True
+
+    def execute_async_v3(self, stream):
+        values = {name: _array(self.addresses[name], shape) for name, shape in self.shapes.items()}
+        x, t, dt = values["x"], values["t"], values["dt"]  # [1, 80, F], [1], [1]
+        pair = {**values, "x": np.concatenate([x, x]), "t": np.repeat(t, 2)}
+        velocity = _velocity(*(pair[n] for n in FLOW_ESTIMATOR.input_names))  # [2, 80, F]
+        guided, unguided = np.float32(1.0 + CFG_RATE), np.float32(CFG_RATE)
+        velocity = guided * velocity[0:1] - unguided * velocity[1:2]  # [1, 80, F]
+        _array(self.addresses["x_next"], x.shape)[...] = x + dt[0] * velocity
+        self.calls.append(("execute", dict(self.addresses), float(t[0]), float(dt[0])))
+        return True
+
+
+class _FakeStepEngine:
+    names = (*FLOW_STEP.input_names, *FLOW_STEP.output_names)
+    num_io_tensors = len(names)
+
+    def __init__(self, calls: list, profiles: int, context=_FakeStepContext):
+        self.calls, self.num_optimization_profiles, self.context = calls, profiles, context
+
+    def get_tensor_name(self, index):
+        return self.names[index]
+
+    def get_tensor_mode(self, name):
+        return "out" if name == "x_next" else "in"
+
+    def get_tensor_dtype(self, name):
+        return np.float32
+
+    def create_execution_context(self):
+        return self.context(self.calls)
+
+
+FAKE_TRT = SimpleNamespace(TensorIOMode=SimpleNamespace(INPUT="in", OUTPUT="out"), nptype=lambda dtype: dtype)
+
+
+def _estimator_profiles() -> GraphProfiles:
+    def profile(name: str, frames: tuple[int, int, int]) -> ShapeProfile:
+        wide = tuple((2, MELS, f) for f in frames)
+        mask = tuple((2, 1, f) for f in frames)
+        shapes = {
+            "x": wide,
+            "mask": mask,
+            "mu": wide,
+            "t": ((2,),) * 3,
+            "spks": ((2, MELS),) * 3,
+            "cond": wide,
+        }
+        return ShapeProfile(name, shapes)
+
+    return GraphProfiles("flow_estimator", (profile("stream", (1, 8, 24)), profile("long", (1, 32, 64))))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(cuda, "_BINDINGS", fake)
+    yield fake
+    gc.collect()  # fake "device" memory must never reach the real bindings' cudaFree (a crash on a GPU)
+
+
+@pytest.fixture
+def step_runner(fake_cuda):
+    profiles = step_profiles(_estimator_profiles(), "flow_step")
+    with TrtRunner(
+        _FakeStepEngine(fake_cuda.calls, 2), "flow_step", profiles, trt=FAKE_TRT, slots=2
+    ) as runner:
+        yield runner
+
+
+def test_step_profiles_keep_the_estimator_ranges(v2_tiny_dir):
+    estimator = default_profiles(ModelConfig.from_release_dir(v2_tiny_dir))["flow_estimator"]
+    step = step_profiles(estimator, "flow_step")
+    step.check_spec(FLOW_STEP)
+    assert [p.name for p in step.profiles] == [p.name for p in estimator.profiles]
+    for ours, theirs in zip(step.profiles, estimator.profiles, strict=True):
+        assert ours.shapes["x"] == tuple((1, *shape[1:]) for shape in theirs.shapes["x"])
+        assert ours.shapes["t"] == ours.shapes["dt"] == ((1,),) * 3
+        assert all(ours.shapes[n] == theirs.shapes[n] for n in ("mask", "mu", "spks", "cond"))
+
+
+@pytest.mark.parametrize(("steps", "frames"), [(10, 20), (3, 40)])  # even/odd steps, both profiles
+def test_device_loop_reproduces_solve_euler_without_host_syncs(fake_cuda, step_runner, steps, frames):
+    schedule = step_schedule(cosine_t_span(steps))
+    with DeviceEulerLoop(step_runner, schedule) as loop:
+        _check_solves(fake_cuda, loop, schedule, frames)
+
+
+def _check_solves(fake_cuda, loop: DeviceEulerLoop, schedule: np.ndarray, frames: int) -> None:
+    steps = schedule.shape[0]
+    table_bytes = 2 * steps * TIME_STRIDE
+    inputs = _inputs(frames, seed=steps)
+    feed = guidance_feed(inputs["noise"], inputs["mu"], inputs["mask"], inputs["spks"], inputs["cond"])
+    expected = _host_solve(_NumpyEstimator(), inputs, steps)
+    for attempt in range(2):  # the second solve reuses the uploaded schedule
+        fake_cuda.calls.clear()
+        got = loop.run(feed)
+        error = _scaled_error(got, expected)
+        assert error <= 1e-7, f"device loop vs solve_euler (attempt {attempt}): max error {error:.3e}"
+        assert fake_cuda.count("synchronize") == 1, fake_cuda.calls  # only the final download waits
+        executes = [c for c in fake_cuda.calls if c[0] == "execute"]
+        assert len(executes) == steps
+        ping, pong = executes[0][1]["x"], executes[0][1]["x_next"]
+        assert ping != pong
+        for step, (_, addresses, t, dt) in enumerate(executes):
+            assert (t, dt) == (schedule[step, 0], schedule[step, 1])
+            assert addresses["dt"] - addresses["t"] == TIME_STRIDE
+            assert addresses["t"] == executes[0][1]["t"] + 2 * step * TIME_STRIDE  # 256-byte aligned rows
+            assert (addresses["x"], addresses["x_next"]) == ((ping, pong) if step % 2 == 0 else (pong, ping))
+        uploads = [c for c in fake_cuda.calls if c[0] == "copy" and c[2] == table_bytes]
+        assert uploads == [], "the schedule is uploaded once, at construction"
+
+
+def test_device_loop_uploads_the_schedule_once_and_hands_off_with_an_event(fake_cuda, step_runner):
+    steps, frames = 5, 12
+    with DeviceEulerLoop(step_runner, step_schedule(cosine_t_span(steps))) as loop, cuda.Event() as upstream:
+        h2d = [c for c in fake_cuda.calls if c[0] == "copy" and c[1] == 1]
+        assert len(h2d) == 1 and h2d[0][2] == 2 * steps * TIME_STRIDE, h2d  # one upload of the whole table
+        inputs = _inputs(frames, seed=3)
+        feed = guidance_feed(inputs["noise"], inputs["mu"], inputs["mask"], inputs["spks"], inputs["cond"])
+        fake_cuda.calls.clear()
+        with step_runner.slot() as slot:
+            out = loop.enqueue(feed, slot, after=upstream)
+        stream = step_runner.stream(slot).handle
+        assert fake_cuda.count("synchronize") == 0, fake_cuda.calls  # nothing waits on the host
+        kinds = [c[0] for c in fake_cuda.calls]
+        assert kinds.index("wait") < kinds.index("copy") and kinds[-1] == "record", kinds
+        assert fake_cuda.calls[kinds.index("wait")] == ("wait", stream, upstream.handle)
+        executes = [c for c in fake_cuda.calls if c[0] == "execute"]
+        assert out.ptr == executes[-1][1]["x_next"] and out.shape == (1, MELS, frames)  # odd n: x_next buffer
+        assert fake_cuda.calls[-1] == ("record", out.event.handle, stream)
+        expected = _host_solve(_NumpyEstimator(), inputs, steps)
+        error = _scaled_error(_array(out.ptr, out.shape).copy(), expected)
+        assert error <= 1e-7, f"handed-off x vs solve_euler: max error {error:.3e}"
+
+
+# -- on a GPU (cuda-python only: the step is a device copy, TensorRT is not needed) ----------------------
+
+_NO_CUDA = cuda.cuda_unavailable_reason()
+
+
+class _CountingBindings:
+    """The real cuda bindings, with stream synchronizes counted."""
+
+    def __init__(self, runtime):
+        self._runtime, self.synchronizes = runtime, 0
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def cudaStreamSynchronize(self, stream):
+        self.synchronizes += 1
+        return self._runtime.cudaStreamSynchronize(stream)
+
+
+def _device_copy_context(log_ptr: int):
+    """A context whose step queues, on the launch stream: x_next = x, and t, dt appended to a log."""
+
+    class _Context(_FakeStepContext):
+        launches = 0  # shared by the contexts of one engine: one log
+
+        def execute_async_v3(self, stream):
+            runtime, entry = cuda.bindings(), log_ptr + 8 * _Context.launches
+            kind = runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+            nbytes = 4 * int(np.prod(self.shapes["x"]))
+            a = self.addresses
+            for target, source, count in (
+                (a["x_next"], a["x"], nbytes),
+                (entry, a["t"], 4),
+                (entry + 4, a["dt"], 4),
+            ):
+                cuda.cuda_call(runtime.cudaMemcpyAsync(target, source, count, kind, stream))
+            _Context.launches += 1
+            self.calls.append(("execute", dict(a)))
+            return True
+
+    return _Context
+
+
+def _download(ptr: int, count: int) -> np.ndarray:
+    runtime = cuda.bindings()
+    host = np.empty(count, np.float32)
+    kind = runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost
+    cuda.cuda_call(runtime.cudaMemcpy(host.ctypes.data, ptr, host.nbytes, kind))
+    return host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_CUDA is not None, reason=f"needs a CUDA device and cuda-python: {_NO_CUDA}")
+def test_device_loop_on_a_gpu(monkeypatch):
+    counting = _CountingBindings(cuda.bindings())
+    monkeypatch.setattr(cuda, "_BINDINGS", counting)
+    steps, frames, calls = 10, 300, []
+    schedule = step_schedule(cosine_t_span(steps))
+    with cuda.DeviceBuffer(2 * 8 * steps) as log:
+        engine = _FakeStepEngine(calls, 2, _device_copy_context(log.ptr))
+        profiles = step_profiles(default_profiles(_tiny_config())["flow_estimator"], "flow_step")
+        runner = TrtRunner(engine, "flow_step", profiles, trt=FAKE_TRT, slots=1)
+        loop = DeviceEulerLoop(runner, schedule)
+        inputs = _inputs(frames)
+        feed = guidance_feed(inputs["noise"], inputs["mu"], inputs["mask"], inputs["spks"], inputs["cond"])
+        before = counting.synchronizes
+        got = loop.run(feed)
+        assert counting.synchronizes == before + 1, "one synchronize per solve, after the last step"
+        assert np.array_equal(got, feed["x"]), "identity steps must return x0 through the ping-pong"
+        with runner.slot() as slot:
+            out = loop.enqueue(feed, slot)
+            assert counting.synchronizes == before + 1
+            out.event.synchronize()
+            handed = _download(out.ptr, int(np.prod(out.shape))).reshape(out.shape)
+        assert np.array_equal(handed, feed["x"])
+        logged = _download(log.ptr, 4 * steps).reshape(2, steps, 2)  # [solve, step, (t, dt)]
+        assert np.array_equal(logged[0], schedule) and np.array_equal(logged[1], schedule), logged
+        bound = [c[1] for c in calls if c[0] == "execute"]
+        assert len(bound) == 2 * steps and all(p % 256 == 0 for b in bound for p in b.values()), bound
+        loop.free()
+        runner.free()
+
+
+def _tiny_config() -> ModelConfig:
+    return ModelConfig.from_release_dir(Path(__file__).parent / "data" / "cosyvoice2-tiny")
+
+
+# -- FlowStage on the device loop ------------------------------------------------------------------------
+
+
+class _FakeEncoder:
+    """The flow-encoder contract: mu [1, 80, 2N] and spks [1, 80] from the N tokens, deterministic."""
+
+    name = "flow_encoder"
+    input_names = ("tokens", "context", "context_valid", "streaming", "embedding")
+    output_names = ("mu", "spks")
+
+    def infer(self, feed):
+        tokens = feed["tokens"].astype(np.float32)  # [1, N]
+        frames = np.repeat(tokens, 2, axis=1)  # [1, 2N]
+        mu = np.sin(frames[:, None, :] * np.arange(1, MELS + 1, dtype=np.float32)[None, :, None] / 7)
+        spks = np.cos(np.arange(MELS, dtype=np.float32) / 5)[None]  # [1, 80]
+        return {"mu": mu.astype(np.float32), "spks": spks.astype(np.float32)}
+
+
+def test_flow_stage_uses_the_device_loop_and_matches_the_host_loop(fake_cuda, step_runner):
+    from trt_cosy.stages.flow import FlowStage, device_euler_loops
+
+    config = _tiny_config().flow
+    assert config.cfm.inference_cfg_rate == CFG_RATE  # the fake step engine bakes this rate in
+    noise = np.random.default_rng(4).standard_normal((1, MELS, 64), dtype=np.float32)  # [1, 80, 64]
+    args = dict(
+        tokens=np.arange(3, 13, dtype=np.int64)[None],  # [1, 10]
+        prompt_tokens=np.array([[1, 2, 5, 7]], np.int64),  # [1, 4]
+        prompt_feat=np.random.default_rng(5).standard_normal((1, 8, MELS), dtype=np.float32),  # [1, 8, 80]
+        embedding=np.zeros((1, 192), np.float32),
+        streaming=False,
+        finalize=True,
+    )
+    loops = device_euler_loops({"flow_step": step_runner}, config)
+    assert set(loops) == {False}, loops  # only the plans that exist get a loop
+    host = FlowStage(_FakeEncoder(), _NumpyEstimator(), _NumpyEstimator(), noise, config)
+    device = FlowStage(_FakeEncoder(), None, None, noise, config, step_loops=loops)
+    expected = host.token2mel(**args).mel  # [1, 80, 20]
+    fake_cuda.calls.clear()
+    got = device.token2mel(**args).mel
+    error = _scaled_error(got, expected)
+    assert error <= 1e-7, f"FlowStage on the device loop vs the host loop: max error {error:.3e}"
+    assert fake_cuda.count("synchronize") == 1, "one synchronize per solve"
+    assert sum(1 for c in fake_cuda.calls if c[0] == "execute") == config.cfm.n_timesteps
+    assert device_euler_loops({}, config) == {}  # ONNX Runtime / torch runners: the host loop
+    for loop in loops.values():
+        loop.free()
