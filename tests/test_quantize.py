@@ -57,7 +57,7 @@ def _stage_on(path: Path, like: LLMStage) -> LLMStage:
 
 
 def test_precision_plan():
-    plan = {item.graph: item.method for item in precision_plan("int4")}
+    plan = {item.graph: item.method for item in precision_plan("int4", "v2")}
     assert plan == {
         "llm": "nbits4",
         "flow_encoder": "fp32",
@@ -65,10 +65,10 @@ def test_precision_plan():
         "flow_estimator_stream": "int8",
         "hift": "fp32",
     }
-    assert {item.method for item in precision_plan("fp32")} == {"fp32"}
-    assert dict((item.graph, item.method) for item in precision_plan("int8"))["llm"] == "nbits8"
+    assert {item.method for item in precision_plan("fp32", "v2")} == {"fp32"}
+    assert dict((item.graph, item.method) for item in precision_plan("int8", "v2"))["llm"] == "nbits8"
     with pytest.raises(InputError, match="unknown"):
-        precision_plan("int2")
+        precision_plan("int2", "v2")
 
 
 def _rms_norm_model(path: Path, width: int = 8) -> Path:

@@ -196,7 +196,7 @@ def _write_engines(
 
         prepare_trt_graphs(staging, model.config, hashes, precision, progress=emit)
     elif precision != "fp32":
-        quantize_engines(staging, precision, progress=emit)
+        quantize_engines(staging, precision, family, progress=emit)
     write_model_data(model, model_dir, staging)  # tables, fixed noise, preset speakers
     _write_model_config(model.config, staging / MODEL_CONFIG_NAME)
     if family == "v1":

@@ -1,16 +1,19 @@
 """Reduced-precision graphs for the ONNX Runtime backend: weight-only int4/int8 LLM, int8 flow.
 
 Applied by ``build_engines`` to the fp32 graphs of a staging directory (``quantize_engines``), after
-their export was checked against torch. What each precision changes (docs/precision.md):
+their export was checked against torch. What each precision changes (docs/precision.md), for every
+family (CosyVoice 1, 2, 3; ``QUANTIZED_GRAPHS``):
 
-* ``int4``: LLM weights 4-bit (``MatMulNBits``, symmetric, block 32, int8 compute), flow estimators'
-  MatMul weights int8 (dynamic, per-channel); flow encoder and HiFT stay fp32.
+* ``int4``: the LLM's weights 4-bit (``MatMulNBits``, symmetric, block 32, int8 compute), the flow
+  estimators' MatMul weights int8 (dynamic, per-channel; v1/v2 U-Net, v3 DiT); flow encoder, HiFT
+  and the v1 text encoder stay fp32.
 * ``int8``: the same with 8-bit LLM weights.
 
 Only MatMuls whose weight is a constant are quantised; RMSNorm/LayerNorm, softmax, attention scores,
-convolutions and the embedding tables stay fp32. Before quantising, the LLM's RMSNorms are rewritten
-from ``x * Reciprocal(Sqrt(.))`` into ``x / Sqrt(.)``, the form ONNX Runtime fuses into one
-``SimplifiedLayerNormalization`` node (49 nodes fewer per decode step at full size).
+convolutions and the embedding tables stay fp32. Before quantising a Qwen2 LLM (v2, v3), its RMSNorms
+are rewritten from ``x * Reciprocal(Sqrt(.))`` into ``x / Sqrt(.)``, the form ONNX Runtime fuses into
+one ``SimplifiedLayerNormalization`` node (49 nodes fewer per decode step at full size); the v1
+TransformerLM uses LayerNorm and is left as exported.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import onnx
 from onnx import helper
 
 from ..errors import InputError
-from ..runtime import graphs
+from ..runtime import graphs, graphs_v1, graphs_v3
 
 __all__ = [
     "QUANTIZED_PRECISIONS",
     "QUANTIZABLE_FAMILIES",
+    "QUANTIZED_GRAPHS",
     "StagePlan",
     "precision_plan",
     "fuse_rms_norm",
@@ -43,8 +47,20 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 QUANTIZED_PRECISIONS: Final = ("int8", "int4")
+# Per family (config.family): the graphs a reduced precision changes and their role: "llm" gets
+# weight-only n-bit weights, "estimator" dynamic int8 MatMuls. Every other graph stays fp32: the
+# flow encoders and the v1 text encoder run once per request (compute-bound, a few % of the time),
+# HiFT is Conv/Sin-bound and its waveform the most sensitive output.
+_ESTIMATORS_V2: Final = (graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name)
+QUANTIZED_GRAPHS: Final = {
+    "v1": {graphs_v1.V1_LLM.name: "llm", graphs_v1.V1_FLOW_ESTIMATOR.name: "estimator"},
+    "v2": {graphs.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "estimator"),
+    "v3": {graphs_v3.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "estimator"),
+}
+# Families whose LLM is Qwen2 (RMSNorm in the exported rsqrt form, see fuse_rms_norm).
+_QWEN_FAMILIES: Final = frozenset({"v2", "v3"})
 # Model families whose graph sets precision_plan() knows (config.family values).
-QUANTIZABLE_FAMILIES: Final = frozenset({"v2"})
+QUANTIZABLE_FAMILIES: Final = frozenset(QUANTIZED_GRAPHS)
 _NBITS_BLOCK: Final = 32
 _INT8_COMPUTE: Final = 4  # MatMulNBits accuracy_level 4: int8 activations, integer dot products
 # Protobuf caps a file at 2 GiB; larger graphs keep their weights in <graph>.onnx.data.
@@ -55,25 +71,33 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class StagePlan:
-    """How one graph is reduced: ``"fp32"`` (unchanged), ``"nbits4"``, ``"nbits8"`` or ``"int8"``."""
+    """How one graph is reduced: ``"fp32"`` (unchanged), ``"nbits4"``, ``"nbits8"`` or ``"int8"``;
+    ``fuse_rms_norm``: rewrite its Qwen2 RMSNorms first (n-bit LLMs of v2/v3 only)."""
 
     graph: str
     method: str
+    fuse_rms_norm: bool = False
 
 
-def precision_plan(precision: str) -> tuple[StagePlan, ...]:
-    """The per-graph methods of ``precision`` (``"fp32"``, ``"int8"`` or ``"int4"``)."""
+def precision_plan(precision: str, family: str) -> tuple[StagePlan, ...]:
+    """The per-graph methods of ``precision`` (``"fp32"``, ``"int8"`` or ``"int4"``) for every graph
+    of ``family``'s graph set (``"v1"``, ``"v2"``, ``"v3"``), in the set's order."""
+    from ..runtime.engines import graph_specs
+
+    if family not in QUANTIZED_GRAPHS:
+        known = ", ".join(sorted(QUANTIZED_GRAPHS))
+        raise InputError(f"model family {family!r} is unknown; precisions are planned for {known}.")
+    names = tuple(graph_specs(family))
     if precision == "fp32":
-        return tuple(StagePlan(name, "fp32") for name in graphs.GRAPHS)
+        return tuple(StagePlan(name, "fp32") for name in names)
     if precision not in QUANTIZED_PRECISIONS:
         raise InputError(f"precision {precision!r} is unknown; use fp32, {', '.join(QUANTIZED_PRECISIONS)}.")
-    llm = "nbits4" if precision == "int4" else "nbits8"
-    methods = {
-        graphs.LLM.name: llm,
-        graphs.FLOW_ESTIMATOR.name: "int8",
-        graphs.FLOW_ESTIMATOR_STREAM.name: "int8",
-    }
-    return tuple(StagePlan(name, methods.get(name, "fp32")) for name in graphs.GRAPHS)
+    methods = {"llm": "nbits4" if precision == "int4" else "nbits8", "estimator": "int8", None: "fp32"}
+    roles = QUANTIZED_GRAPHS[family]
+    return tuple(
+        StagePlan(name, methods[roles.get(name)], roles.get(name) == "llm" and family in _QWEN_FAMILIES)
+        for name in names
+    )
 
 
 def fuse_rms_norm(model: onnx.ModelProto) -> int:
@@ -129,20 +153,23 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
     )
 
 
-def quantize_weights_nbits(source: Path, target: Path, bits: int, block_size: int = _NBITS_BLOCK) -> int:
+def quantize_weights_nbits(
+    source: Path, target: Path, bits: int, block_size: int = _NBITS_BLOCK, fuse_norms: bool = True
+) -> int:
     """Weight-only ``bits``-bit quantisation (4 or 8) of every constant-weight MatMul into
-    ``MatMulNBits`` (symmetric blocks of ``block_size`` along K, int8 compute); RMSNorms are fused
-    first. Returns the number of quantised MatMuls."""
+    ``MatMulNBits`` (symmetric blocks of ``block_size`` along K, int8 compute); with ``fuse_norms``
+    (Qwen2 LLMs) the RMSNorms are fused first. Returns the number of quantised MatMuls."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = onnx.load(str(source))
-    fused = fuse_rms_norm(model)
-    count = len(_constant_matmuls(model))
+    fused = fuse_rms_norm(model) if fuse_norms else 0
     quantizer = MatMulNBitsQuantizer(
         model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=_INT8_COMPUTE
     )
     with _quiet("onnxruntime.quantization"):
         quantizer.process()
+    # 2-D weights only: a constant 3-D operand (v1's per-head linear_pos weight) stays a float MatMul.
+    count = sum(node.op_type == "MatMulNBits" for node in quantizer.model.model.graph.node)
     _save(quantizer.model.model, target)
     _LOGGER.info("%s: %d MatMuls -> MatMulNBits(%d bits), %d RMSNorms fused", source.name, count, bits, fused)
     return count
@@ -183,14 +210,17 @@ class _quiet:
         self._logger.setLevel(self._level)
 
 
-def quantize_engines(directory: Path, precision: str, progress: Progress | None = None) -> dict[str, str]:
-    """Replace the fp32 graphs ``<directory>/<graph>.onnx`` by their ``precision`` versions in place.
+def quantize_engines(
+    directory: Path, precision: str, family: str, progress: Progress | None = None
+) -> dict[str, str]:
+    """Replace the fp32 graphs ``<directory>/<graph>.onnx`` of ``family``'s graph set by their
+    ``precision`` versions in place.
 
     Returns ``{graph: method}`` for every graph (``"fp32"`` where unchanged).
     """
     directory = Path(directory)
     methods = {}
-    for plan in precision_plan(precision):
+    for plan in precision_plan(precision, family):
         methods[plan.graph] = plan.method
         if plan.method == "fp32":
             continue
@@ -198,7 +228,8 @@ def quantize_engines(directory: Path, precision: str, progress: Progress | None 
         staged = directory / f".{plan.graph}.{plan.method}.onnx"
         start = time.perf_counter()
         if plan.method.startswith("nbits"):
-            count = quantize_weights_nbits(path, staged, bits=int(plan.method.removeprefix("nbits")))
+            bits = int(plan.method.removeprefix("nbits"))
+            count = quantize_weights_nbits(path, staged, bits=bits, fuse_norms=plan.fuse_rms_norm)
         else:
             count = quantize_matmul_int8(path, staged)
         path.with_name(path.name + ".data").unlink(missing_ok=True)
@@ -235,11 +266,13 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     sizes, and the result is renamed to ``out_dir`` (which must not exist).
     """
     import dataclasses
+    import json
     import os
     import shutil
     import tempfile
 
-    from ..runtime.manifest import MANIFEST_NAME, Manifest
+    from ..runtime.engines import MODEL_CONFIG_NAME
+    from ..runtime.manifest import MANIFEST_NAME, Manifest, model_config_from_dict
 
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
     manifest = Manifest.read(fp32_dir)
@@ -247,10 +280,13 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
         raise InputError(f"{fp32_dir} holds {manifest.precision} engines; derive from fp32 engines.")
     if out_dir.exists():
         raise InputError(f"{out_dir} exists; choose a new directory for the {precision} engines.")
+    raw = json.loads((fp32_dir / MODEL_CONFIG_NAME).read_text(encoding="utf-8"))
+    family = model_config_from_dict(raw).family
+    precision_plan(precision, family)  # an unknown precision or family fails before any copy
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     try:
         shutil.copytree(fp32_dir, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
-        quantize_engines(staging, precision, progress)
+        quantize_engines(staging, precision, family, progress)
         files = {
             path.relative_to(staging).as_posix(): path.stat().st_size
             for path in sorted(staging.rglob("*"))

@@ -1,0 +1,149 @@
+"""int8/int4 engines for CosyVoice 1 and 3 (build/quantize.py): plan, graphs, quality vs fp32, say.
+
+The fp32 engines are the session's golden-tiny builds of tests/test_families_e2e.py
+(``family_engines``: built here only when that module did not run first in the session); the int4
+engines are derived from them once per module (``derive_engines``, the same ``quantize_engines``
+step ``trt-cosy build --precision int4`` runs after the export).
+
+Quality bounds (docs/precision.md, "CosyVoice 1 and 3"): measured on these golden inputs, int4 gives
+an LLM KL mean of 0.0018 (v1) and 0.0010 (v3) nats and a flow mel SNR of 39.6 / 38.0 dB. The test
+holds KL ≤ 0.01 (5x headroom for other CPUs' int8 kernels, 5x under the 0.05 product bar) and mel
+SNR ≥ 30 dB; HiFT stays fp32, so its waveform must be bit-identical (SNR = inf).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import soundfile
+from click.testing import CliRunner
+from test_families import GOLDEN
+from test_families_e2e import family_engines
+
+from trt_cosy.bench.quality import THRESHOLDS, QualityInputs, quality_guard
+from trt_cosy.build.family_engines import check_family_options
+from trt_cosy.build.quantize import QUANTIZABLE_FAMILIES, derive_engines, precision_plan
+from trt_cosy.cli import main
+from trt_cosy.errors import InputError
+from trt_cosy.runtime.engines import load_engines
+from trt_cosy.runtime.manifest import Manifest
+
+FAMILIES = ("v1", "v3")
+KL_BOUND = 0.01  # nats, LLM next-token KL mean vs fp32 (measured int4: 0.0018 v1, 0.0010 v3)
+MEL_SNR_BOUND = 30.0  # dB, flow mel vs fp32 (measured: 39.6 v1, 38.0 v3)
+TOP1_BOUND = 0.5  # sanity only: near-ties of random weights flip (measured int4: 0.78 v1, 0.83 v3)
+_QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeLinear", "MatMulInteger")
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory) -> dict[str, Path]:
+    return {family: family_engines(tmp_path_factory, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def int4(fp32, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("int4-families")
+    return {family: derive_engines(path, root / family, "int4") for family, path in fp32.items()}
+
+
+def _ops(path: Path) -> Counter:
+    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+
+
+def _matrix_weight_matmuls(path: Path) -> int:
+    """MatMuls whose second input is a constant 2-D weight (what the quantisers may change)."""
+    graph = onnx.load(str(path)).graph
+    matrices = {init.name for init in graph.initializer if len(init.dims) == 2}
+    return sum(node.op_type == "MatMul" and node.input[1] in matrices for node in graph.node)
+
+
+def test_plans_of_v1_and_v3():
+    assert {"v1", "v2", "v3"} <= QUANTIZABLE_FAMILIES
+    v1 = {plan.graph: (plan.method, plan.fuse_rms_norm) for plan in precision_plan("int4", "v1")}
+    assert v1 == {
+        "v1_text_encoder": ("fp32", False),
+        "llm": ("nbits4", False),  # TransformerLM: LayerNorm, nothing to fuse
+        "v1_flow_encoder": ("fp32", False),
+        "flow_estimator": ("int8", False),
+        "v1_hift": ("fp32", False),
+    }
+    v3 = {plan.graph: (plan.method, plan.fuse_rms_norm) for plan in precision_plan("int8", "v3")}
+    assert v3 == {
+        "llm": ("nbits8", True),  # Qwen2: RMSNorms fused first
+        "flow_encoder": ("fp32", False),
+        "flow_estimator": ("int8", False),
+        "flow_estimator_stream": ("int8", False),
+        "hift": ("fp32", False),
+        "hift_stream": ("fp32", False),
+    }
+    assert {plan.method for plan in precision_plan("fp32", "v1")} == {"fp32"}
+    with pytest.raises(InputError, match="family"):
+        precision_plan("int4", "v9")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_build_accepts_reduced_precisions(family):
+    assert check_family_options(GOLDEN[family], "onnxruntime", "int4") == family
+    assert check_family_options(GOLDEN[family], "onnxruntime", "int8") == family
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int4_graphs_change_where_the_plan_says(fp32, int4, family):
+    Manifest.read(int4[family]).check(int4[family], precision="int4")
+    for plan in precision_plan("int4", family):
+        before, after = _ops(fp32[family] / f"{plan.graph}.onnx"), _ops(int4[family] / f"{plan.graph}.onnx")
+        expected = _matrix_weight_matmuls(fp32[family] / f"{plan.graph}.onnx")
+        if plan.method == "fp32":  # HiFT, encoders: untouched
+            assert not any(after[op] for op in _QUANTIZED_OPS), (plan.graph, after)
+            assert after == before, plan.graph
+        elif plan.method == "nbits4":
+            assert after["MatMulNBits"] == expected > 0, (plan.graph, expected, after)
+            moved = before - Counter({"MatMul": expected})
+            if plan.fuse_rms_norm:  # x * Reciprocal(Sqrt(v)) -> x / Sqrt(v)
+                fused = before["Reciprocal"]
+                assert fused > 0 and after["Reciprocal"] == 0, after
+                moved = moved - Counter({"Reciprocal": fused, "Mul": fused}) + Counter({"Div": fused})
+            assert after - Counter({"MatMulNBits": expected}) == moved, (plan.graph, before, after)
+        else:  # dynamic int8: every matrix-weight MatMul becomes MatMulInteger on quantised inputs
+            assert after["MatMulInteger"] == expected > 0 and after["DynamicQuantizeLinear"] > 0, after
+            # the quantiser rewrites each Gemm (time-embedding MLPs) as a float MatMul (+ Add)
+            assert after["MatMul"] == before["MatMul"] - expected + before["Gemm"], (plan.graph, after)
+            assert after["Gemm"] == 0, after
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int4_quality_vs_fp32_on_the_golden_inputs(fp32, int4, family):
+    with np.load(GOLDEN[family] / "reference.npz") as data:
+        inputs = QualityInputs.from_golden({key: data[key] for key in data.files})
+    rows = {
+        row.metric: row
+        for row in quality_guard(
+            load_engines(fp32[family], threads=1), load_engines(int4[family], threads=1), inputs
+        )
+    }
+    report = ", ".join(f"{name} {row.value:.4g}" for name, row in rows.items())
+    assert all(rows[name].passed for name in THRESHOLDS), report
+    assert rows["llm_kl_mean"].value <= KL_BOUND, report
+    assert rows["flow_mel_snr_db"].value >= MEL_SNR_BOUND, report
+    assert rows["hift_wav_snr_db"].value == float("inf"), f"HiFT must stay fp32: {report}"
+    assert rows["llm_top1"].value >= TOP1_BOUND, report
+
+
+@pytest.mark.slow
+def test_v1_int4_engines_say(int4, tmp_path):
+    out = tmp_path / "int4.wav"
+    result = CliRunner().invoke(
+        main,
+        ["say", "Good morning.", "--speaker", "英文男", "--engines", str(int4["v1"]), "--threads", "1",
+         "--seed", "3", "-o", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    audio, rate = soundfile.read(out, dtype="float32")
+    assert rate == 22050 and audio.ndim == 1 and audio.size > 0 and np.isfinite(audio).all()
+    assert float(np.abs(audio).max()) > 1e-3, "silent int4 output"
