@@ -158,9 +158,9 @@ def test_say_model_dir_builds_engines_into_the_cache(stub_render, wavs, tmp_path
     )
     assert result.exit_code == 0, result.output
     expected_dir = engines_cache_dir(release)
-    assert builds == [(release, expected_dir, "onnxruntime", "fp32")]
+    assert builds == [(release, expected_dir, "onnxruntime", "int4")]  # the CPU default (docs/precision.md)
     assert expected_dir.is_relative_to(tmp_path / "cache" / "engines")
-    assert expected_dir.name == "onnxruntime-fp32" and expected_dir.parent.name.startswith("release-")
+    assert expected_dir.name == "onnxruntime-int4" and expected_dir.parent.name.startswith("release-")
     assert "fake build step" in result.output and stub_render.loaded_from == [expected_dir]
     audio, rate = soundfile.read(out, dtype="float32")
     assert rate == 24000 and audio.shape == (2400,)
@@ -275,7 +275,7 @@ def test_say_voices_save_round_trip_without_torch(tmp_path_factory, v2_tiny_dir,
     release = tiny_release(tmp_path_factory, v2_tiny_dir)
     env = {"TRT_COSY_CACHE": str(tmp_path / "cache")}
     monkeypatch.setenv("TRT_COSY_CACHE", env["TRT_COSY_CACHE"])
-    cached_dir = engines_cache_dir(release)
+    cached_dir = engines_cache_dir(release, "fp32")
     cached_dir.parent.mkdir(parents=True)
     cached_dir.symlink_to(engines, target_is_directory=True)  # current engines: `--model-dir` must not build
     ref, out = str(wavs["ref"]), tmp_path
@@ -286,8 +286,8 @@ def test_say_voices_save_round_trip_without_torch(tmp_path_factory, v2_tiny_dir,
          "-o", str(out / "voice.npz")],
         ["say", "Good morning.", "--engines", str(engines), "--voice", str(out / "voice.npz"),
          "-o", str(out / "voice.wav"), "--seed", "5"],
-        ["say", "Good morning.", "--model-dir", str(release), "--voice", str(out / "voice.npz"),
-         "-o", str(out / "cached.wav"), "--seed", "5"],
+        ["say", "Good morning.", "--model-dir", str(release), "--precision", "fp32",
+         "--voice", str(out / "voice.npz"), "-o", str(out / "cached.wav"), "--seed", "5"],
     ]  # fmt: skip
     result = _run_cli_without_torch(commands, env)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -292,7 +292,7 @@ def test_build_engines_script(tiny, capsys):
     spec = importlib.util.spec_from_file_location("build_engines_script", ROOT / "build_engines.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.main(["--model-dir", str(release), "--out", str(engines)]) == 0
+    assert script.main(["--model-dir", str(release), "--out", str(engines), "--precision", "fp32"]) == 0
     captured = capsys.readouterr()
     assert "up to date" in captured.err and "engines ready" in captured.out
     assert script.main(["--model-dir", str(release), "--out", str(engines), "--precision", "int3"]) == 2

@@ -154,3 +154,21 @@ def test_golden_of_another_family_is_refused() -> None:
     model = load_torch_model(DIRS["v1"], threads=1)
     with pytest.raises(InputError, match="CosyVoice3 golden set"):
         compute_outputs(model, GoldenSet.load(DIRS["v3"] / "reference.npz"))
+
+
+@pytest.mark.slow
+def test_verify_on_quantised_engines_says_which_engines_parity_needs(tmp_path_factory, tmp_path) -> None:
+    from test_export import shared_tiny_engines
+
+    from trt_cosy.build.quantize import derive_engines
+
+    _, engines = shared_tiny_engines(tmp_path_factory, DIRS["v2"])
+    int4 = derive_engines(engines, tmp_path / "int4", "int4")
+    args = ["verify", "--model-dir", str(DIRS["v2"]), "--golden", str(DIRS["v2"] / "reference.npz")]
+    result = CliRunner().invoke(
+        main, [*args, "--backend", "onnxruntime", "--engines", str(int4), "--threads", "1"]
+    )
+    assert result.exit_code == 1, result.output  # int4 logits are outside the fp32 tolerances by design
+    assert "holds int4 engines" in result.output and "--precision fp32" in result.output, result.output[
+        -2000:
+    ]

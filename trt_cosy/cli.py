@@ -42,7 +42,8 @@ def main(verbose: int) -> None:
               help="Engines directory to write (e.g. engines/cosyvoice2/onnxruntime-fp32).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True)
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default=None,
-              help="Default: fp32 for onnxruntime (parity first; int8/int4 are faster), fp16 for tensorrt.")
+              help="Default: int4 for onnxruntime (4-bit LLM, int8 flow; fp32 for `trt-cosy verify` parity), "
+                   "fp16 for tensorrt. See docs/precision.md.")
 @click.option("--force", is_flag=True, help="Rebuild even when the manifest says nothing changed.")
 @click.option("--onnx-only", is_flag=True,
               help="TensorRT: write fp16 graphs, profiles and manifest only (no GPU needed); plans come later.")
@@ -53,8 +54,9 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
     require("torch", "build")
     require("onnx", "build")
     from .build.engines import build_engines
+    from .download import DEFAULT_PRECISIONS
 
-    precision = precision or ("fp16" if backend == "tensorrt" else "fp32")
+    precision = precision or DEFAULT_PRECISIONS[backend]
     path = build_engines(model_dir, out_dir, backend=backend, precision=precision, force=force,
                          progress=lambda message: click.echo(message, err=True), onnx_only=onnx_only)
     click.echo(f"engines ready in {path}")
@@ -77,7 +79,25 @@ def verify(model_dir: Path, golden: Path, backend: str, engines: Path | None, th
     rows = run_verify(model, GoldenSet.load(golden))
     click.echo(format_table(rows))
     if any(row.status == "FAIL" for row in rows):
+        precision = _engines_precision(engines)
+        if precision in ("int8", "int4"):
+            _progress(f"note: {engines} holds {precision} engines; verify's tolerances are those of fp32 engines. "
+                      "Check parity on `trt-cosy build --precision fp32` engines; the quality guard of reduced "
+                      "precisions is bench/quality_guard.py (docs/precision.md).")
         sys.exit(1)
+
+
+def _engines_precision(engines: Path | None) -> str | None:
+    """The precision an engines directory's manifest records, or None (no engines, unreadable)."""
+    if engines is None:
+        return None
+    from .errors import TrtCosyError
+    from .runtime.manifest import Manifest
+
+    try:
+        return Manifest.read(engines).precision
+    except (TrtCosyError, OSError, ValueError):
+        return None
 
 
 @main.command("make-test-model")
@@ -113,7 +133,7 @@ def _check_one_of(**options: object) -> None:
         raise click.UsageError(f"pass only one of {', '.join('--' + name for name in options)}.")
 
 
-def _engines_dir(engines: Path | None, model_dir: Path | None, source: str) -> Path:
+def _engines_dir(engines: Path | None, model_dir: Path | None, source: str, precision: str | None) -> Path:
     """--engines as given; --model-dir built into the cache when needed; neither: the default model."""
     from .download import DEFAULT_MODEL, download_model, prepare_engines
 
@@ -123,14 +143,17 @@ def _engines_dir(engines: Path | None, model_dir: Path | None, source: str) -> P
     if model_dir is None:
         _progress(f"no --engines or --model-dir: using {DEFAULT_MODEL} (downloaded and built on first use)")
         model_dir = download_model(DEFAULT_MODEL, source)
-    return prepare_engines(model_dir, progress=_progress)
+    return prepare_engines(model_dir, progress=_progress, precision=precision)
 
 
-def _load_tts(engines: Path | None, model_dir: Path | None, source: str, threads: int | None):
+def _load_tts(
+    engines: Path | None, model_dir: Path | None, source: str, threads: int | None, precision: str | None
+):
     from .synthesis import EngineConfig
     from .tts import CosyVoice
 
-    return CosyVoice.load(_engines_dir(engines, model_dir, source), config=EngineConfig(threads=threads))
+    path = _engines_dir(engines, model_dir, source, precision)
+    return CosyVoice.load(path, config=EngineConfig(threads=threads))
 
 
 def _engine_options(command):
@@ -157,6 +180,12 @@ def _engine_options(command):
         ),
         click.option(
             "--threads", type=int, default=None, help="CPU threads per graph (default: physical cores)."
+        ),
+        click.option(
+            "--precision",
+            type=click.Choice(["fp32", "int8", "int4"]),
+            default=None,
+            help="Engines built into the cache for --model-dir / the default model (default: int4).",
         ),
     )
     for option in reversed(options):
@@ -203,6 +232,7 @@ def say(
     model_dir: Path | None,
     source: str,
     threads: int | None,
+    precision: str | None,
     ref: Path | None,
     ref_text: str | None,
     voice_file: Path | None,
@@ -226,7 +256,7 @@ def say(
         raise click.UsageError("--ref-text goes with --ref.")
     config = SynthesisConfig(stream=stream, instruct=instruct)
     voice = Voice.load(voice_file) if voice_file is not None else speaker
-    tts = _load_tts(engines, model_dir, source, threads)
+    tts = _load_tts(engines, model_dir, source, threads, precision)
     if voice is None:
         voice = tts.voice_from_wav(ref, ref_text)
     chunks = tts.synthesize(text, voice, seed=seed, config=config)
@@ -280,10 +310,11 @@ def voices_save(
     model_dir: Path | None,
     source: str,
     threads: int | None,
+    precision: str | None,
     out: Path,
 ) -> None:
     """Make a voice from --ref and save it as one file, for `trt-cosy say --voice`."""
-    tts = _load_tts(engines, model_dir, source, threads)
+    tts = _load_tts(engines, model_dir, source, threads, precision)
     voice = tts.voice_from_wav(ref, ref_text)
     voice.save(out)
     mode = "zero-shot" if voice.prompt_text else "cross-lingual"
@@ -292,9 +323,11 @@ def voices_save(
 
 @voices.command("list")
 @_engine_options
-def voices_list(engines: Path | None, model_dir: Path | None, source: str, threads: int | None) -> None:
+def voices_list(
+    engines: Path | None, model_dir: Path | None, source: str, threads: int | None, precision: str | None
+) -> None:
     """Print the model's preset speakers, one per line (for `trt-cosy say --speaker NAME`)."""
-    tts = _load_tts(engines, model_dir, source, threads)
+    tts = _load_tts(engines, model_dir, source, threads, precision)
     if not tts.speakers:
         _progress(
             "this model has no preset speakers (only CosyVoice-300M-SFT/-Instruct have them); "

@@ -56,7 +56,9 @@ _RELEASE_FILES: Final = (
 _ALLOW_PATTERNS: Final = [*_RELEASE_FILES, "CosyVoice-BlankEN/*.json"]
 _WEB: Final = {"huggingface": "https://huggingface.co/", "modelscope": "https://www.modelscope.cn/"}
 _BACKEND: Final = "onnxruntime"
-_PRECISION: Final = "fp32"
+# What `trt-cosy build` and the engines cache use when no --precision is given (docs/precision.md,
+# "Default"): weight-only int4 LLM + int8 flow on CPUs, fp16 plans on GPUs.
+DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16"}
 
 Progress = Callable[[str], None]
 
@@ -146,34 +148,39 @@ def _checkpoint_key(model_dir: Path) -> str:
     return hashlib.sha256(json.dumps(stats).encode("utf-8")).hexdigest()[:16]
 
 
-def engines_cache_dir(model_dir: Path) -> Path:
-    """Where engines built from ``model_dir`` live in the cache."""
+def engines_cache_dir(model_dir: Path, precision: str | None = None) -> Path:
+    """Where engines built from ``model_dir`` at ``precision`` (default: the CPU default) live in the cache."""
+    precision = precision or DEFAULT_PRECISIONS[_BACKEND]
     model_dir = Path(model_dir).resolve()
     return (
         cache_root()
         / "engines"
         / f"{model_dir.name}-{_checkpoint_key(model_dir)}"
-        / f"{_BACKEND}-{_PRECISION}"
+        / f"{_BACKEND}-{precision}"
     )
 
 
-def prepare_engines(model_dir: Path, progress: Progress | None = None) -> Path:
-    """Engines for ``model_dir`` from the cache, built there first when missing or stale.
+def prepare_engines(model_dir: Path, progress: Progress | None = None, precision: str | None = None) -> Path:
+    """Engines for ``model_dir`` at ``precision`` (default ``DEFAULT_PRECISIONS``) from the cache, built
+    there first when missing or stale.
 
     Current engines are used without torch; building needs the ``build`` extra (torch, onnx).
     """
     from .runtime.manifest import Manifest
 
-    out_dir = engines_cache_dir(model_dir)
+    precision = precision or DEFAULT_PRECISIONS[_BACKEND]
+    out_dir = engines_cache_dir(model_dir, precision)
     try:
-        Manifest.read(out_dir).check(out_dir, backend=_BACKEND, precision=_PRECISION)
+        Manifest.read(out_dir).check(out_dir, backend=_BACKEND, precision=precision)
         return out_dir
     except EngineMismatchError as exc:
         _LOGGER.info("building engines: %s", exc)
     if progress is not None:
-        progress(f"building {_BACKEND} engines for {model_dir} into {out_dir} (first use; takes a while)")
+        progress(
+            f"building {_BACKEND}/{precision} engines for {model_dir} into {out_dir} (first use; takes a while)"
+        )
     require("torch", "build")
     require("onnx", "build")
     from .build.engines import build_engines
 
-    return build_engines(model_dir, out_dir, backend=_BACKEND, precision=_PRECISION, progress=progress)
+    return build_engines(model_dir, out_dir, backend=_BACKEND, precision=precision, progress=progress)
