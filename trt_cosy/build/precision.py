@@ -9,7 +9,10 @@ Rules, in order (``PrecisionPolicy``):
 1. **Islands** stay fp32: op types where fp16 overflows or loses the answer (softmax, layer norm,
    reductions, exp/log, sin/cos, pow, cumulative sums, ranges), and whole torch modules named by the
    exporter's metadata (``pkg.torch.onnx.class_hierarchy``/``name_scopes``): RMSNorm and LayerNorm,
-   rotary embeddings, the HiFT f0 predictor, NSF source and (i)STFT, and the LLM's logits head.
+   rotary embeddings, the HiFT f0 predictor, NSF source and (i)STFT, and the LLM's logits head;
+   the own nodes of named classes (the DiT's residual stream); and, given calibration feeds, every
+   node whose fp32 output exceeds ``PrecisionPolicy.data_max`` (``tensor_ranges``). The tables per
+   family and graph are in ``build.precision_policies``.
 2. **Index math** stays fp32: int -> float casts, float tensors made from shapes, and the float32
    graph inputs (the flow time step ``t``, speaker vectors, flags, the cached HiFT source) seed it.
 3. **Growth**: an elementwise or data-movement node whose non-constant float inputs are all fp32
@@ -17,6 +20,8 @@ Rules, in order (``PrecisionPolicy``):
    they are fp16 unless an island names them.
 4. Everything else is fp16. Nodes without float outputs (Shape, comparisons, casts to int) take
    the highest precision among their inputs, so a comparison never rounds a fp32 value.
+
+float64 is refused (``TrtCosyError``): TensorRT has none, so a graph must do without it.
 
 Graph inputs and outputs stay fp32 unless named in ``PrecisionPolicy.fp16_io``: the runners and the
 numpy stages see the same dtypes on every backend. Initializers are converted where every user is
@@ -44,6 +49,14 @@ import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrtCosyError
+from .precision_ort import compare_fp16, tensor_ranges
+from .precision_policies import (
+    FAMILY_POLICIES,
+    FP32_OP_TYPES,
+    GRAPH_POLICIES,
+    PrecisionPolicy,
+    graph_policy,
+)
 
 __all__ = [
     "FP32",
@@ -51,7 +64,10 @@ __all__ = [
     "FP32_OP_TYPES",
     "PrecisionPolicy",
     "GRAPH_POLICIES",
+    "FAMILY_POLICIES",
+    "graph_policy",
     "Fp16Report",
+    "tensor_ranges",
     "convert_model_fp16",
     "to_fp16_graph",
     "compare_fp16",
@@ -64,60 +80,11 @@ FP16: Final = TensorProto.FLOAT16
 _FP16_MAX: Final = float(np.finfo(np.float16).max)  # 65504
 _EXTERNAL_DATA_BYTES: Final = 1 << 30  # same threshold as the exporter: above it weights go to <file>.data
 
-FP32_OP_TYPES: Final = frozenset(
-    {
-        "Softmax",
-        "LogSoftmax",
-        "LayerNormalization",
-        "GroupNormalization",
-        "InstanceNormalization",
-        "ReduceMean",
-        "ReduceSum",
-        "ReduceSumSquare",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSum",
-        "ReduceLogSumExp",
-        "ReduceProd",
-        "Exp",
-        "Log",
-        "Pow",
-        "Sin",
-        "Cos",
-        "CumSum",
-        "Range",
-        "DFT",
-        "STFT",
-    }
-)
 # Heavy ops never become fp32 by growth: they are the point of fp16 (tensor cores).
 _HEAVY_OPS: Final = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInteger"})
 # Inputs that ONNX requires to be float32 whatever the data type (Resize roi/scales).
 _ALWAYS_FP32_INPUTS: Final = {"Resize": frozenset({1, 2})}
 _METADATA_KEYS: Final = ("pkg.torch.onnx.class_hierarchy", "pkg.torch.onnx.name_scopes")
-
-
-@dataclass(frozen=True)
-class PrecisionPolicy:
-    """Which nodes stay fp32 (see the module docstring for the rules)."""
-
-    op_types: frozenset[str] = FP32_OP_TYPES
-    modules: frozenset[str] = frozenset()
-    """torch class names (last dotted part) whose every node stays fp32."""
-    scopes: tuple[str, ...] = ()
-    """module paths (e.g. ``"llm_decoder"``) whose nodes, and their sub-modules' nodes, stay fp32."""
-    fp16_io: frozenset[str] = frozenset()
-    """graph inputs/outputs switched to float16 (none by default: I/O stays float32)."""
-
-
-_NORMS: Final = frozenset({"RMSNorm", "LayerNorm"})
-GRAPH_POLICIES: Final = {
-    "llm": PrecisionPolicy(modules=_NORMS | {"RotaryEmbedding"}, scopes=("llm_decoder",)),
-    "flow_encoder": PrecisionPolicy(modules=_NORMS),
-    "flow_estimator": PrecisionPolicy(modules=_NORMS),
-    "flow_estimator_stream": PrecisionPolicy(modules=_NORMS),
-    "hift": PrecisionPolicy(modules=_NORMS | {"F0Predictor", "SourceModule", "ConvSTFT", "ConvISTFT"}),
-}
 
 
 @dataclass
@@ -142,18 +109,26 @@ class Fp16Report:
 
 
 def to_fp16_graph(
-    onnx_path: Path, out_path: Path, policy: PrecisionPolicy | None = None, *, graph: str | None = None
+    onnx_path: Path,
+    out_path: Path,
+    policy: PrecisionPolicy | None = None,
+    *,
+    graph: str | None = None,
+    calibration: Iterable[Mapping[str, np.ndarray]] = (),
 ) -> Fp16Report:
     """Convert the fp32 graph at ``onnx_path`` to a strongly typed fp16 graph at ``out_path``.
 
-    ``policy`` defaults to ``GRAPH_POLICIES[graph]`` (graph defaults to the file stem). Weights over
-    1 GiB are written to ``<out_path>.data``. The result passes ``onnx.checker`` (full type check).
+    ``policy`` defaults to ``GRAPH_POLICIES[graph]`` (graph defaults to the file stem). With
+    ``policy.data_max``, the fp32 graph first runs on the ``calibration`` feeds (ONNX Runtime) and
+    every node with an output beyond that magnitude stays fp32. Weights over 1 GiB are written to
+    ``<out_path>.data``. The result passes ``onnx.checker`` (full type check).
     """
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     graph = graph or onnx_path.stem
     policy = policy or GRAPH_POLICIES.get(graph, PrecisionPolicy())
     model = onnx.load(str(onnx_path), load_external_data=False)
-    model, report = convert_model_fp16(model, policy, base_dir=onnx_path.parent)
+    feeds = list(calibration) if policy.data_max is not None else []
+    model, report = convert_model_fp16(model, policy, base_dir=onnx_path.parent, calibration=feeds)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     data = out_path.with_name(out_path.name + ".data")
     data.unlink(missing_ok=True)
@@ -172,17 +147,28 @@ def to_fp16_graph(
 
 
 def convert_model_fp16(
-    model: onnx.ModelProto, policy: PrecisionPolicy | None = None, *, base_dir: Path | None = None
+    model: onnx.ModelProto,
+    policy: PrecisionPolicy | None = None,
+    *,
+    base_dir: Path | None = None,
+    calibration: Iterable[Mapping[str, np.ndarray]] = (),
 ) -> tuple[onnx.ModelProto, Fp16Report]:
     """The pass on an in-memory model (modified in place and returned). External weights are read
-    from ``base_dir``; shapes and types are inferred on a copy without weights (graphs > 2 GiB)."""
+    from ``base_dir``; shapes and types are inferred on a copy without weights (graphs > 2 GiB).
+    ``calibration`` feeds (used with ``policy.data_max``) run the fp32 model on ONNX Runtime first."""
     policy = policy or PrecisionPolicy()
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     _reject_subgraphs(model.graph)
     _constants_to_initializers(model.graph)
     types = _infer_types(model)
-    assigner = _Assigner(model.graph, types, policy)
+    _reject_float64(model.graph, types)
+    hot: set[str] = set()
+    feeds = list(calibration)
+    if policy.data_max is not None and feeds:
+        ranges = tensor_ranges(model, types, feeds, base_dir)
+        hot = {name for name, peak in ranges.items() if not peak <= policy.data_max}
+    assigner = _Assigner(model.graph, types, policy, hot)
     precisions = assigner.assign()
     rewriter = _Rewriter(model.graph, types, policy, base_dir)
     rewriter.rewrite(precisions)
@@ -191,34 +177,15 @@ def convert_model_fp16(
     return model, report
 
 
-def compare_fp16(
-    fp32_path: Path, fp16_path: Path, feeds: Iterable[Mapping[str, np.ndarray]], threads: int | None = None
-) -> dict[str, float]:
-    """Run both graphs on ONNX Runtime (CPU) and return, per output, the max over ``feeds`` of
-    max |fp16 - fp32| / max(1, max |fp32|). A NaN or inf in the fp16 outputs raises ``TrtCosyError``.
-
-    ORT's CPU provider stores fp16 tensors in fp16 but computes ops without fp16 kernels in fp32
-    (it inserts the casts), so this measures the storage rounding and the fp32 islands, much as
-    TensorRT's fp16 kernels with fp32 accumulation do; it is an estimate, not a TensorRT run.
-    """
-    from ..runtime.ort import OrtRunner  # onnxruntime is needed only here
-
-    reference = OrtRunner.from_path(fp32_path, "fp32", threads, exported=True)
-    candidate = OrtRunner.from_path(fp16_path, "fp16", threads, exported=True)
-    errors = dict.fromkeys(reference.output_names, 0.0)
-    for feed in feeds:
-        expected, got = reference.infer(feed), candidate.infer(feed)
-        for name, value in expected.items():
-            result = got[name].astype(np.float64)
-            if not np.isfinite(result).all():
-                raise TrtCosyError(
-                    f"fp16 graph {fp16_path}: output '{name}' has NaN/inf; an fp32 island is missing "
-                    "(see trt_cosy/build/precision.py GRAPH_POLICIES)."
-                )
-            if value.size:
-                scale = max(1.0, float(np.abs(value).max()))
-                errors[name] = max(errors[name], float(np.abs(result - value).max()) / scale)
-    return errors
+def _reject_float64(graph: onnx.GraphProto, types: Mapping[str, int]) -> None:
+    double = [out for node in graph.node for out in node.output if types.get(out) == TensorProto.DOUBLE]
+    double += [t.name for t in graph.initializer if t.data_type == TensorProto.DOUBLE]
+    double += [v.name for v in (*graph.input, *graph.output) if types.get(v.name) == TensorProto.DOUBLE]
+    if double:
+        raise TrtCosyError(
+            f"the graph computes in float64 ({len(double)} tensors, e.g. {double[:3]}); TensorRT has no "
+            "float64. Re-export the stage in float32 (see trt_cosy/build/modules/v1_hift.py for an example)."
+        )
 
 
 def _reject_subgraphs(graph: onnx.GraphProto) -> None:
@@ -288,8 +255,14 @@ def _infer_types(model: onnx.ModelProto) -> dict[str, int]:
 class _Assigner:
     """Decides each node's precision (FP16, FP32, or None for nodes that touch no float tensor)."""
 
-    def __init__(self, graph: onnx.GraphProto, types: Mapping[str, int], policy: PrecisionPolicy):
-        self.graph, self.types, self.policy = graph, types, policy
+    def __init__(
+        self,
+        graph: onnx.GraphProto,
+        types: Mapping[str, int],
+        policy: PrecisionPolicy,
+        hot: set[str] | frozenset[str] = frozenset(),
+    ):
+        self.graph, self.types, self.policy, self.hot = graph, types, policy, hot
         self.initializers = {t.name for t in graph.initializer}
         self.physical: dict[str, int] = {}  # float tensor -> the dtype it has after the pass
         self.prefers32: set[str] = set()  # float tensors that count as fp32 for the growth rule
@@ -347,14 +320,17 @@ class _Assigner:
     def _island(self, node: onnx.NodeProto) -> str:
         if node.op_type in self.policy.op_types:
             return f"op {node.op_type}"
-        if not (self.policy.modules or self.policy.scopes):
+        if any(out in self.hot for out in node.output):
+            return "range"
+        if not (self.policy.modules or self.policy.scopes or self.policy.own_nodes):
             return ""
         meta = {p.key: p.value for p in node.metadata_props}
-        classes = _literal_list(meta.get(_METADATA_KEYS[0]))
-        for name in classes[:-1]:  # the last entry is the aten op itself
-            short = name.rsplit(".", 1)[-1]
+        classes = [name.rsplit(".", 1)[-1] for name in _literal_list(meta.get(_METADATA_KEYS[0]))]
+        for short in classes[:-1]:  # the last entry is the aten op itself
             if short in self.policy.modules:
                 return f"module {short}"
+        if len(classes) >= 2 and classes[-2] in self.policy.own_nodes:
+            return f"own {classes[-2]}"
         for scope in _literal_list(meta.get(_METADATA_KEYS[1])):
             for prefix in self.policy.scopes:
                 if scope == prefix or scope.startswith(prefix + "."):

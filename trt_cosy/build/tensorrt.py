@@ -30,10 +30,11 @@ from typing import Any, Final
 
 from .. import __version__
 from ..config import ModelConfig
+from ..config_v1 import V1ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
-from ..runtime.graphs import GRAPHS
 from ..runtime.manifest import file_sha256
 from ..runtime.profiles import (
+    FAMILY_GRAPHS,
     PROFILES_NAME,
     GraphProfiles,
     ProfileLimits,
@@ -66,7 +67,7 @@ _LOGGER = logging.getLogger(__name__)
 
 TRT_PRECISIONS: Final = ("fp16", "fp32")
 # Model families whose graph sets prepare_trt_graphs() and the profiles know (config.family values).
-TRT_FAMILIES: Final = frozenset({"v2"})
+TRT_FAMILIES: Final = frozenset({"v1", "v2", "v3"})
 TRT_SUMMARY_NAME: Final = "tensorrt.json"
 TIMING_CACHE_NAME: Final = "timing.cache"
 
@@ -80,7 +81,7 @@ def graph_file(graph: str, precision: str) -> str:
 
 def prepare_trt_graphs(
     engines_dir: Path,
-    config: ModelConfig,
+    config: ModelConfig | V1ModelConfig,
     checkpoint_hashes: Mapping[str, str],
     precision: str = "fp16",
     *,
@@ -90,23 +91,27 @@ def prepare_trt_graphs(
 ) -> dict[str, Any]:
     """Write the TensorRT inputs next to the fp32 ``<graph>.onnx`` files of ``engines_dir``.
 
-    Needs onnx (and onnxruntime when ``measure``), never TensorRT. Returns the ``tensorrt.json``
-    content. ``measure`` compares each fp16 graph with its fp32 export on the export's sample and
-    parity feeds and raises ``TrtCosyError`` on NaN/inf.
+    Every graph of ``config.family``'s set (``profiles.FAMILY_GRAPHS``). Needs onnx and onnxruntime,
+    never TensorRT. Returns the ``tensorrt.json`` content. The fp16 pass calibrates its range islands
+    on the export's sample and parity feeds; ``measure`` compares each fp16 graph with its fp32
+    export on the same feeds and raises ``TrtCosyError`` on NaN/inf.
     """
     if precision not in TRT_PRECISIONS:
         raise InputError(
             f"precision {precision!r} is not available for TensorRT; choose {', '.join(TRT_PRECISIONS)}."
         )
+    if config.family not in TRT_FAMILIES:
+        raise InputError(f"TensorRT engines are not available for model family {config.family!r}.")
     engines_dir = Path(engines_dir)
     emit = _emitter(progress)
     profiles = default_profiles(config, limits)
     write_profiles(profiles, engines_dir / PROFILES_NAME)
     graphs: dict[str, Any] = {}
-    for name in GRAPHS:
+    for name in FAMILY_GRAPHS[config.family]:
         graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
     summary = {
         "trt_cosy_version": __version__,
+        "family": config.family,
         "precision": precision,
         "checkpoint": checkpoint_digest(checkpoint_hashes),
         "profiles": PROFILES_NAME,
@@ -116,23 +121,44 @@ def prepare_trt_graphs(
     return summary
 
 
+def _export_feeds(name: str, config: ModelConfig | V1ModelConfig) -> list[dict[str, Any]]:
+    """The export's sample and parity feeds of graph ``name`` (calibration and fp16-vs-fp32 check)."""
+    if isinstance(config, V1ModelConfig):
+        from .reference_v1 import export_plans_v1
+
+        plan = export_plans_v1(config)[name]
+    elif config.family == "v3":
+        from .export_v3 import v3_graph_export_plan
+
+        plan = v3_graph_export_plan(name, config)  # type: ignore[arg-type]
+    else:
+        from .export import graph_export_plan
+
+        plan = graph_export_plan(name, config)
+    return [plan.sample, *plan.parity]
+
+
 def _prepare_graph(
-    engines_dir: Path, name: str, config: ModelConfig, precision: str, measure: bool, emit: Progress
+    engines_dir: Path,
+    name: str,
+    config: ModelConfig | V1ModelConfig,
+    precision: str,
+    measure: bool,
+    emit: Progress,
 ) -> dict[str, Any]:
     source, target = engines_dir / f"{name}.onnx", engines_dir / graph_file(name, precision)
     if not source.is_file():
         raise EngineMismatchError(f"{source} is missing: export the fp32 graphs first (`trt-cosy build`).")
     entry: dict[str, Any] = {"onnx": target.name}
     if precision == "fp16":
-        from .precision import compare_fp16, to_fp16_graph  # onnx: build time only
+        from .precision import compare_fp16, graph_policy, to_fp16_graph  # onnx: build time only
 
-        report = to_fp16_graph(source, target, graph=name)
+        feeds = _export_feeds(name, config)
+        policy = graph_policy(config.family, name)
+        report = to_fp16_graph(source, target, policy, graph=name, calibration=feeds)
         entry["fp16"] = report.summary()
         if measure:
-            from .export import graph_export_plan
-
-            plan = graph_export_plan(name, config)
-            errors = compare_fp16(source, target, [plan.sample, *plan.parity])
+            errors = compare_fp16(source, target, feeds)
             entry["fp16_vs_fp32_max_error"] = errors
             emit(
                 f"{name}: fp16 graph ({report.summary()}); max error vs fp32 "

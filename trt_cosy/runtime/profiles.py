@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..config import ModelConfig
+from ..config import HiFTConfig, ModelConfig
+from ..config_v1 import V1ModelConfig
 from ..errors import EngineMismatchError, InputError
+from . import graphs_v1, graphs_v3
 from .graphs import GRAPHS, GraphSpec
 
 __all__ = [
@@ -28,7 +30,10 @@ __all__ = [
     "ShapeProfile",
     "GraphProfiles",
     "ProfileLimits",
+    "FAMILY_GRAPHS",
+    "V1_FRAME_SLACK",
     "default_profiles",
+    "v1_frames",
     "select_profile",
     "profiles_to_dict",
     "profiles_from_dict",
@@ -39,6 +44,10 @@ __all__ = [
 PROFILES_NAME: Final = "profiles.json"
 
 Shape = tuple[int, ...]
+# The graph contracts each family's profiles cover (config.family -> graph name -> GraphSpec).
+FAMILY_GRAPHS: Final = {"v1": graphs_v1.V1_GRAPHS, "v2": GRAPHS, "v3": graphs_v3.GRAPHS_V3}
+V1_ESTIMATOR_MIN_FRAMES: Final = 2  # the v1 U-Net halves the frames once (its export needs F >= 2)
+V1_FRAME_SLACK: Final = 8  # v1 mel frames beyond int(tokens / 50 · 22050 / 256): the prompt mel's own length
 
 
 @dataclass(frozen=True)
@@ -196,9 +205,9 @@ def _range(low: int, opt: int, high: int) -> tuple[int, int, int]:
     return low, min(max(opt, low), high), high
 
 
-def _llm_profiles(config: ModelConfig, limits: ProfileLimits) -> GraphProfiles:
-    qwen = config.llm.qwen
-    hidden, layers, heads, head_dim = qwen.hidden_size, qwen.num_layers, qwen.num_kv_heads, qwen.head_dim
+def _llm_profiles(dims: tuple[int, int, int, int], limits: ProfileLimits) -> GraphProfiles:
+    """dims: (hidden D, layers L, cached heads H, head dim Dh) of the ``LLM`` contract."""
+    hidden, layers, heads, head_dim = dims
 
     def profile(name: str, new: tuple[int, int, int], past: tuple[int, int, int]) -> ShapeProfile:
         embeds = tuple((1, t, hidden) for t in new)  # [1, T, D]
@@ -214,16 +223,21 @@ def _llm_profiles(config: ModelConfig, limits: ProfileLimits) -> GraphProfiles:
     return GraphProfiles("llm", tuple(profiles))
 
 
-def _flow_encoder_profiles(config: ModelConfig, limits: ProfileLimits) -> GraphProfiles:
+def _qwen_dims(config: ModelConfig) -> tuple[int, int, int, int]:
+    qwen = config.llm.qwen
+    return qwen.hidden_size, qwen.num_layers, qwen.num_kv_heads, qwen.head_dim
+
+
+def _flow_encoder_profiles(config: ModelConfig, limits: ProfileLimits, streaming: bool) -> GraphProfiles:
+    """v2 (with the ``streaming`` flag input) and v3 (without) token-rate flow encoders."""
     lookahead, speaker = config.flow.encoder.pre_lookahead_len, config.flow.spk_embed_dim
 
     def profile(name: str, tokens: tuple[int, int, int]) -> ShapeProfile:
-        fixed = ((1, lookahead),) * 3
         shapes = {
             "tokens": tuple((1, n) for n in tokens),  # [1, N]
-            "context": fixed,
+            "context": ((1, lookahead),) * 3,
             "context_valid": ((1,),) * 3,
-            "streaming": ((1,),) * 3,
+            **({"streaming": ((1,),) * 3} if streaming else {}),
             "embedding": ((1, speaker),) * 3,
         }
         return ShapeProfile(name, shapes)  # type: ignore[arg-type]
@@ -233,8 +247,10 @@ def _flow_encoder_profiles(config: ModelConfig, limits: ProfileLimits) -> GraphP
     return GraphProfiles("flow_encoder", (profile("stream", short), profile("long", long)))
 
 
-def _estimator_profiles(name: str, config: ModelConfig, limits: ProfileLimits) -> GraphProfiles:
-    mels, ratio = config.flow.output_size, config.flow.token_mel_ratio
+def _estimator_profiles(
+    name: str, mels: int, short: tuple[int, int, int], long: tuple[int, int, int]
+) -> GraphProfiles:
+    """The CFM estimator contract (U-Net or DiT) over mel frame ranges ``short`` and ``long``."""
 
     def profile(label: str, frames: tuple[int, int, int]) -> ShapeProfile:
         wide = tuple((2, mels, f) for f in frames)  # [2, 80, F]: the CFG pair
@@ -248,46 +264,148 @@ def _estimator_profiles(name: str, config: ModelConfig, limits: ProfileLimits) -
         }
         return ShapeProfile(label, shapes)  # type: ignore[arg-type]
 
-    short = _range(1, ratio * limits.stream_tokens // 4, ratio * limits.stream_tokens)
-    long = _range(1, ratio * limits.max_tokens // 2, ratio * limits.max_tokens)
     return GraphProfiles(name, (profile("stream", short), profile("long", long)))
 
 
-def _hift_profiles(config: ModelConfig, limits: ProfileLimits) -> GraphProfiles:
-    hop, harmonics, mels = (
-        config.hift.samples_per_frame,
-        config.hift.nb_harmonics + 1,
-        config.hift.in_channels,
-    )
-    cached = hop * limits.hift_cache_frames
+def _token_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[tuple[int, int, int], ...]:
+    """v2/v3 mel frame ranges (short, long): ``token_mel_ratio`` frames per token."""
+    ratio = config.token_mel_ratio
+    short = _range(1, ratio * limits.stream_tokens // 4, ratio * limits.stream_tokens)
+    return short, _range(1, ratio * limits.max_tokens // 2, ratio * limits.max_tokens)
 
-    def profile(label: str, frames: tuple[int, int, int], source: tuple[int, int, int]) -> ShapeProfile:
+
+def _hift_profiles(
+    name: str,
+    config: HiFTConfig,
+    frames: tuple[tuple[int, int, int], tuple[int, int, int]],
+    cache: tuple[tuple[int, int, int], tuple[int, int, int]] | None,
+    rand_phase: bool = False,
+) -> GraphProfiles:
+    """HiFT over mel frame ranges (stream, long); ``cache``: the ``cache_source`` sample ranges (v1/v2)."""
+    hop, harmonics, mels = config.samples_per_frame, config.nb_harmonics + 1, config.in_channels
+
+    def profile(label: str, index: int) -> ShapeProfile:
         shapes = {
-            "mel": tuple((1, mels, f) for f in frames),  # [1, 80, F]
-            "sine_noise": tuple((1, hop * f, harmonics) for f in frames),  # [1, 480F, 9]
-            "cache_source": tuple((1, 1, s) for s in source),  # [1, 1, S]
+            "mel": tuple((1, mels, f) for f in frames[index]),  # [1, 80, F]
+            "sine_noise": tuple((1, hop * f, harmonics) for f in frames[index]),  # [1, hop·F, 9]
         }
+        if rand_phase:
+            shapes["rand_phase"] = ((1, harmonics),) * 3  # [1, 9]
+        if cache is not None:
+            shapes["cache_source"] = tuple((1, 1, s) for s in cache[index])  # [1, 1, S]
         return ShapeProfile(label, shapes)  # type: ignore[arg-type]
 
+    return GraphProfiles(name, (profile("stream", 0), profile("long", 1)))
+
+
+def _v2_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfiles]:
+    short, long = _token_frames(config, limits)
+    cached = config.hift.samples_per_frame * limits.hift_cache_frames
     chunk = config.chunk_size * config.token_mel_ratio + limits.hift_cache_frames  # 50 new + 8 cached
-    stream = profile("stream", _range(1, chunk, limits.stream_frames), (0, cached, cached))
-    long_frames = config.token_mel_ratio * limits.max_tokens
-    long = profile("long", _range(1, long_frames // 2, long_frames), (0, 0, cached))
-    return GraphProfiles("hift", (stream, long))
+    hift_frames = (_range(1, chunk, limits.stream_frames), long)
+    return [
+        _llm_profiles(_qwen_dims(config), limits),
+        _flow_encoder_profiles(config, limits, streaming=True),
+        _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
+        _estimator_profiles("flow_estimator_stream", config.flow.output_size, short, long),
+        _hift_profiles("hift", config.hift, hift_frames, ((0, cached, cached), (0, 0, cached))),
+    ]
 
 
-def default_profiles(config: ModelConfig, limits: ProfileLimits | None = None) -> dict[str, GraphProfiles]:
-    """The profiles of every graph of ``graphs.GRAPHS`` for a model of ``config``."""
-    limits = limits or ProfileLimits()
-    result = {
-        "llm": _llm_profiles(config, limits),
-        "flow_encoder": _flow_encoder_profiles(config, limits),
-        "flow_estimator": _estimator_profiles("flow_estimator", config, limits),
-        "flow_estimator_stream": _estimator_profiles("flow_estimator_stream", config, limits),
-        "hift": _hift_profiles(config, limits),
+def _v3_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfiles]:
+    """CosyVoice3: the v2 LLM and estimator profiles (the DiT keeps the estimator I/O); the flow
+    encoder has no ``streaming`` input; both causal HiFT graphs re-vocode the whole mel so far (no
+    source cache), the streaming one needs ``HIFT_STREAM_MIN_FRAMES`` (its outputs are 8 frames shorter)."""
+    short, long = _token_frames(config, limits)
+    least = graphs_v3.HIFT_STREAM_MIN_FRAMES
+    stream = _range(1, limits.stream_frames // 4, limits.stream_frames)
+    stream_only = (least, max(stream[1], least), max(stream[2], least))
+    return [
+        _llm_profiles(_qwen_dims(config), limits),
+        _flow_encoder_profiles(config, limits, streaming=False),
+        _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
+        _estimator_profiles("flow_estimator_stream", config.flow.output_size, short, long),
+        _hift_profiles("hift", config.hift, (stream, long), None),
+        _hift_profiles("hift_stream", config.hift, (stream_only, (least, *long[1:])), None),
+    ]
+
+
+def v1_frames(config: V1ModelConfig, tokens: int) -> int:
+    """Most mel frames ``tokens`` 50 Hz tokens (prompt included) give: the official length regulator's
+    ``int(n / 50 · 22050 / 256)`` plus ``V1_FRAME_SLACK`` (the prompt mel comes from the prompt audio,
+    not from its token count)."""
+    return config.flow.mel_frames(tokens) + V1_FRAME_SLACK
+
+
+def _v1_flow_encoder(
+    config: V1ModelConfig, tokens: tuple[int, int, int], frames: tuple[int, int, int], label: str
+) -> ShapeProfile:
+    regulator = tuple((f,) for f in frames)  # [F]: the length regulator's indices and weights
+    shapes = {
+        "tokens": tuple((1, n) for n in tokens),  # [1, N]
+        "embedding": ((1, config.flow.spk_embed_dim),) * 3,
+        "index0": regulator,
+        "index1": regulator,
+        "weight1": regulator,
     }
+    return ShapeProfile(label, shapes)  # type: ignore[arg-type]
+
+
+def _v1_profiles(config: V1ModelConfig, limits: ProfileLimits) -> list[GraphProfiles]:
+    """CosyVoice 1: 50 Hz tokens, 22.05 kHz, mel frames from the length regulator (``v1_frames``)."""
+    llm, flow, stream = config.llm, config.flow, config.stream
+    text_embeds = tuple((1, n, llm.text_encoder_input_size) for n in _range(1, 64, limits.max_prefill))
+    text = ShapeProfile("text", {"text_embeds": text_embeds, "embedding": ((1, llm.spk_embed_dim),) * 3})
+    short_tokens = _range(1, limits.stream_tokens // 4, limits.stream_tokens)
+    long_tokens = _range(1, limits.max_tokens // 2, limits.max_tokens)
+    short, long = (
+        _range(1, v1_frames(config, n[1]), v1_frames(config, n[2])) for n in (short_tokens, long_tokens)
+    )
+    least = V1_ESTIMATOR_MIN_FRAMES
+    # One streaming vocoder call: 20 cached + the chunk's (hop + overlap) frames - 34 held back.
+    chunk = stream.mel_cache_len + flow.mel_frames(stream.token_hop_len + stream.token_overlap_len)
+    chunk -= stream.mel_overlap_len
+    cached = stream.source_cache_len
+    lm = llm.llm
+    return [
+        GraphProfiles("v1_text_encoder", (text,)),
+        _llm_profiles(
+            (llm.llm_input_size, lm.num_blocks, lm.attention_heads, lm.output_size // lm.attention_heads),
+            limits,
+        ),
+        GraphProfiles(
+            "v1_flow_encoder",
+            (
+                _v1_flow_encoder(config, short_tokens, short, "stream"),
+                _v1_flow_encoder(config, long_tokens, long, "long"),
+            ),
+        ),
+        _estimator_profiles("flow_estimator", flow.output_size, (least, *short[1:]), (least, *long[1:])),
+        _hift_profiles(
+            "v1_hift",
+            config.hift,
+            (_range(1, chunk, limits.stream_frames), long),
+            ((0, cached, cached), (0, 0, cached)),
+            rand_phase=True,
+        ),
+    ]
+
+
+def default_profiles(
+    config: ModelConfig | V1ModelConfig, limits: ProfileLimits | None = None
+) -> dict[str, GraphProfiles]:
+    """The profiles of every graph of ``config``'s family (``graphs.GRAPHS``, ``graphs_v1.V1_GRAPHS``,
+    ``graphs_v3.GRAPHS_V3``), each checked against its contract."""
+    limits = limits or ProfileLimits()
+    builders = {"v1": _v1_profiles, "v2": _v2_profiles, "v3": _v3_profiles}
+    if config.family not in builders:
+        raise InputError(f"no TensorRT profiles for model family {config.family!r}; build for onnxruntime.")
+    result = {graph.graph: graph for graph in builders[config.family](config, limits)}  # type: ignore[operator]
+    specs = FAMILY_GRAPHS[config.family]
+    if set(result) != set(specs):
+        raise ValueError(f"{config.family} profiles name {sorted(result)}, its graphs are {sorted(specs)}")
     for name, profiles in result.items():
-        profiles.check_spec(GRAPHS[name])
+        profiles.check_spec(specs[name])
     return result
 
 
