@@ -255,8 +255,9 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_summary(tiny_fp16, tmp_path):
     assert set(read_profiles(work / "profiles.json")) == set(summary["graphs"])
     for name, entry in summary["graphs"].items():
         assert (work / entry["onnx"]).is_file() and entry["onnx"] == f"{name}.fp16.onnx"
-        worst = max(entry["fp16_vs_fp32_max_error"].values())
-        assert 0 < worst < BOUNDS[name], f"{name}: {entry['fp16_vs_fp32_max_error']}"
+        if "derived_from" not in entry:  # flow step graphs wrap an estimator measured on its own
+            worst = max(entry["fp16_vs_fp32_max_error"].values())
+            assert 0 < worst < BOUNDS[name], f"{name}: {entry['fp16_vs_fp32_max_error']}"
         runner = OrtRunner.from_path(work / entry["onnx"], name, threads=1, exported=True)
         assert set(runner.input_names) == set(read_profiles(work / "profiles.json")[name].input_names)
     with pytest.raises(MissingDependencyError, match=r"TensorRT plans need an NVIDIA GPU.*trt-cosy\[gpu\]"):

@@ -15,6 +15,7 @@ from trt_cosy.runtime.profiles import (
     default_profiles,
     read_profiles,
     select_profile,
+    trt_graph_specs,
     write_profiles,
 )
 
@@ -34,9 +35,12 @@ def _names(graph: GraphProfiles) -> list[str]:
 
 
 def test_every_graph_has_profiles_matching_its_contract(profiles):
-    assert set(profiles) == set(graphs.GRAPHS)
+    specs = trt_graph_specs("v2")
+    assert set(profiles) == set(specs) == {*graphs.GRAPHS, "flow_step", "flow_step_stream"}
     for name, graph in profiles.items():
-        graph.check_spec(graphs.GRAPHS[name])  # input names, ranks, static dims (batch 2 for CFG)
+        graph.check_spec(specs[name])  # input names, ranks, static dims (batch 2 for CFG)
+    step = profiles["flow_step"].profiles[0].shapes
+    assert step["x"][2] == (1, 80, 1000) and step["t"] == step["dt"] == ((1,),) * 3  # x at batch 1
     estimator = profiles["flow_estimator"].profiles[0].shapes
     assert estimator["x"][2] == (2, 80, 1000) and estimator["t"] == ((2,),) * 3
 

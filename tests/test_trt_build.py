@@ -56,6 +56,9 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_manifest(tiny_release: Path, 
     for graph in GRAPHS:
         errors = summary["graphs"][graph]
         assert errors, graph
+    for step, estimator in (("flow_step", "flow_estimator"), ("flow_step_stream", "flow_estimator_stream")):
+        assert summary["graphs"][step]["derived_from"] == estimator and f"{step}.fp16.onnx" in manifest["files"]
+        assert step in profiles
     assert not (out / "plans").exists()
     # rerun is a manifest-match skip
     again = CliRunner().invoke(main, ["build", "--model-dir", str(tiny_release), "--out", str(out),

@@ -40,6 +40,7 @@ from ..runtime.profiles import (
     ProfileLimits,
     default_profiles,
     read_profiles,
+    trt_graph_specs,
     write_profiles,
 )
 from ..runtime.trt import (
@@ -109,6 +110,9 @@ def prepare_trt_graphs(
     graphs: dict[str, Any] = {}
     for name in FAMILY_GRAPHS[config.family]:
         graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
+    for name in trt_graph_specs(config.family):
+        if name not in graphs:
+            graphs[name] = _prepare_step_graph(engines_dir, name, config, precision, emit)
     summary = {
         "trt_cosy_version": __version__,
         "family": config.family,
@@ -168,6 +172,23 @@ def _prepare_graph(
             emit(f"{name}: fp16 graph ({report.summary()})")
     entry["onnx_sha256"] = file_sha256(target)
     return entry
+
+
+def _prepare_step_graph(
+    engines_dir: Path, name: str, config: ModelConfig, precision: str, emit: Progress
+) -> dict[str, Any]:
+    """``<step>[.fp16].onnx``: the prepared estimator graph wrapped with guidance and the Euler update
+    (``build.flow_step``), for the device-side solve (``runtime.euler.DeviceEulerLoop``)."""
+    from ..runtime.euler import STEP_GRAPHS
+    from .flow_step import write_flow_step
+
+    estimator = next(est for est, step in STEP_GRAPHS.items() if step.name == name)
+    target = engines_dir / graph_file(name, precision)
+    write_flow_step(
+        engines_dir / graph_file(estimator, precision), target, config.flow.cfm.inference_cfg_rate
+    )
+    emit(f"{name}: {estimator} + guidance (rate {config.flow.cfm.inference_cfg_rate}) + Euler update")
+    return {"onnx": target.name, "derived_from": estimator, "onnx_sha256": file_sha256(target)}
 
 
 def build_plans(

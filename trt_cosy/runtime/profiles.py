@@ -22,6 +22,7 @@ from ..config import HiFTConfig, ModelConfig
 from ..config_v1 import V1ModelConfig
 from ..errors import EngineMismatchError, InputError
 from . import graphs_v1, graphs_v3
+from .euler import STEP_GRAPHS, step_profiles
 from .graphs import GRAPHS, GraphSpec
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "GraphProfiles",
     "ProfileLimits",
     "FAMILY_GRAPHS",
+    "trt_graph_specs",
     "V1_FRAME_SLACK",
     "default_profiles",
     "v1_frames",
@@ -46,6 +48,20 @@ PROFILES_NAME: Final = "profiles.json"
 Shape = tuple[int, ...]
 # The graph contracts each family's profiles cover (config.family -> graph name -> GraphSpec).
 FAMILY_GRAPHS: Final = {"v1": graphs_v1.V1_GRAPHS, "v2": GRAPHS, "v3": graphs_v3.GRAPHS_V3}
+# Families whose flow runs ``stages.flow.FlowStage`` get TensorRT step graphs (``runtime.euler``):
+# the estimator + guidance + Euler update as one plan, so the whole solve stays on the device.
+_STEP_FAMILIES: Final = frozenset({"v2", "v3"})
+
+
+def trt_graph_specs(family: str) -> dict[str, GraphSpec]:
+    """Every graph a TensorRT engines directory of ``family`` holds: the exported set plus, for
+    CosyVoice2/3, the flow step graphs derived from the estimators."""
+    specs = dict(FAMILY_GRAPHS[family])
+    if family in _STEP_FAMILIES:
+        specs.update({step.name: step for estimator, step in STEP_GRAPHS.items() if estimator in specs})
+    return specs
+
+
 V1_ESTIMATOR_MIN_FRAMES: Final = 2  # the v1 U-Net halves the frames once (its export needs F >= 2)
 V1_FRAME_SLACK: Final = 8  # v1 mel frames beyond int(tokens / 50 · 22050 / 256): the prompt mel's own length
 
@@ -394,14 +410,17 @@ def _v1_profiles(config: V1ModelConfig, limits: ProfileLimits) -> list[GraphProf
 def default_profiles(
     config: ModelConfig | V1ModelConfig, limits: ProfileLimits | None = None
 ) -> dict[str, GraphProfiles]:
-    """The profiles of every graph of ``config``'s family (``graphs.GRAPHS``, ``graphs_v1.V1_GRAPHS``,
-    ``graphs_v3.GRAPHS_V3``), each checked against its contract."""
+    """The profiles of every TensorRT graph of ``config``'s family (``trt_graph_specs``: the exported
+    set plus the flow step graphs), each checked against its contract."""
     limits = limits or ProfileLimits()
     builders = {"v1": _v1_profiles, "v2": _v2_profiles, "v3": _v3_profiles}
     if config.family not in builders:
         raise InputError(f"no TensorRT profiles for model family {config.family!r}; build for onnxruntime.")
     result = {graph.graph: graph for graph in builders[config.family](config, limits)}  # type: ignore[operator]
-    specs = FAMILY_GRAPHS[config.family]
+    specs = trt_graph_specs(config.family)
+    for estimator, step in STEP_GRAPHS.items():
+        if step.name in specs:
+            result[step.name] = step_profiles(result[estimator], step.name)
     if set(result) != set(specs):
         raise ValueError(f"{config.family} profiles name {sorted(result)}, its graphs are {sorted(specs)}")
     for name, profiles in result.items():
