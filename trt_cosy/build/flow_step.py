@@ -28,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import TrtCosyError
 from ..runtime.euler import FLOW_STEP
 from ..runtime.graphs import FLOW_ESTIMATOR
+from .onnx_files import save_onnx
 
 __all__ = ["ESTIMATOR_PREFIX", "wrap_estimator_step", "write_flow_step"]
 
@@ -35,7 +36,6 @@ _LOGGER = logging.getLogger(__name__)
 
 ESTIMATOR_PREFIX: Final = "estimator/"
 _STEP: Final = "flow_step/"  # prefix of the wrapper's own nodes and tensors
-_EXTERNAL_DATA_BYTES: Final = 1 << 30  # as export.py / precision.py: above it weights go to <file>.data
 
 
 def wrap_estimator_step(model: onnx.ModelProto, cfg_rate: float) -> onnx.ModelProto:
@@ -82,18 +82,7 @@ def write_flow_step(estimator_path: Path, out_path: Path, cfg_rate: float) -> Pa
     estimator_path, out_path = Path(estimator_path), Path(out_path)
     model = onnx.load(str(estimator_path))  # external weights are read from the graph's directory
     wrapped = wrap_estimator_step(model, cfg_rate)
-    data = out_path.with_name(out_path.name + ".data")
-    data.unlink(missing_ok=True)
-    large = sum(t.ByteSize() for t in wrapped.graph.initializer) > _EXTERNAL_DATA_BYTES
-    onnx.save_model(
-        wrapped,
-        str(out_path),
-        save_as_external_data=large,
-        all_tensors_to_one_file=True,
-        location=data.name,
-        size_threshold=1024,
-    )
-    onnx.checker.check_model(str(out_path))
+    save_onnx(wrapped, out_path, check=True)
     _LOGGER.info("flow step graph %s from %s (cfg rate %g)", out_path, estimator_path, cfg_rate)
     return out_path
 

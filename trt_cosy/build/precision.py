@@ -49,6 +49,7 @@ import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrtCosyError
+from .onnx_files import save_onnx
 from .precision_ort import compare_fp16, tensor_ranges
 from .precision_policies import (
     FAMILY_POLICIES,
@@ -78,7 +79,6 @@ _LOGGER = logging.getLogger(__name__)
 FP32: Final = TensorProto.FLOAT
 FP16: Final = TensorProto.FLOAT16
 _FP16_MAX: Final = float(np.finfo(np.float16).max)  # 65504
-_EXTERNAL_DATA_BYTES: Final = 1 << 30  # same threshold as the exporter: above it weights go to <file>.data
 
 # Heavy ops never become fp32 by growth: they are the point of fp16 (tensor cores).
 _HEAVY_OPS: Final = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInteger"})
@@ -129,19 +129,7 @@ def to_fp16_graph(
     model = onnx.load(str(onnx_path), load_external_data=False)
     feeds = list(calibration) if policy.data_max is not None else []
     model, report = convert_model_fp16(model, policy, base_dir=onnx_path.parent, calibration=feeds)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    data = out_path.with_name(out_path.name + ".data")
-    data.unlink(missing_ok=True)
-    large = sum(t.ByteSize() for t in model.graph.initializer) > _EXTERNAL_DATA_BYTES
-    onnx.save_model(
-        model,
-        str(out_path),
-        save_as_external_data=large,
-        all_tensors_to_one_file=True,
-        location=data.name,
-        size_threshold=1024,
-    )
-    onnx.checker.check_model(str(out_path), full_check=True)
+    save_onnx(model, out_path, full_check=True)
     _LOGGER.info("%s: fp16 graph %s: %s", graph, out_path, report.summary())
     return report
 

@@ -30,6 +30,7 @@ from onnx import helper
 
 from ..errors import InputError
 from ..runtime import graphs, graphs_v1, graphs_v3
+from .onnx_files import save_onnx
 
 __all__ = [
     "QUANTIZED_PRECISIONS",
@@ -63,8 +64,6 @@ _QWEN_FAMILIES: Final = frozenset({"v2", "v3"})
 QUANTIZABLE_FAMILIES: Final = frozenset(QUANTIZED_GRAPHS)
 _NBITS_BLOCK: Final = 32
 _INT8_COMPUTE: Final = 4  # MatMulNBits accuracy_level 4: int8 activations, integer dot products
-# Protobuf caps a file at 2 GiB; larger graphs keep their weights in <graph>.onnx.data.
-_EXTERNAL_DATA_BYTES: Final = 1 << 30
 
 Progress = Callable[[str], None]
 
@@ -142,17 +141,6 @@ def _constant_matmuls(model: onnx.ModelProto) -> list[str]:
     ]
 
 
-def _save(model: onnx.ModelProto, path: Path) -> None:
-    """Save ``model`` to ``path``, with its weights in ``<path>.data`` when they are large."""
-    path = Path(path)
-    data = path.with_name(path.name + ".data")
-    data.unlink(missing_ok=True)
-    external = model.ByteSize() > _EXTERNAL_DATA_BYTES
-    onnx.save(
-        model, str(path), save_as_external_data=external, location=data.name, all_tensors_to_one_file=True
-    )
-
-
 def quantize_weights_nbits(
     source: Path, target: Path, bits: int, block_size: int = _NBITS_BLOCK, fuse_norms: bool = True
 ) -> int:
@@ -170,7 +158,7 @@ def quantize_weights_nbits(
         quantizer.process()
     # 2-D weights only: a constant 3-D operand (v1's per-head linear_pos weight) stays a float MatMul.
     count = sum(node.op_type == "MatMulNBits" for node in quantizer.model.model.graph.node)
-    _save(quantizer.model.model, target)
+    save_onnx(quantizer.model.model, target)
     _LOGGER.info("%s: %d MatMuls -> MatMulNBits(%d bits), %d RMSNorms fused", source.name, count, bits, fused)
     return count
 
