@@ -34,6 +34,7 @@ from .frontend.tokenizer import QwenTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder
 from .pipeline import Request, iterate_in_thread
 from .runtime.model import LoadedModel
+from .runtime.ort import LazyOrtRunner
 from .synthesis import (
     AudioChunk,
     EngineConfig,
@@ -55,34 +56,6 @@ def model_id_from_checkpoint(family: str, checkpoint_hashes: Mapping[str, str]) 
     """A short id of a checkpoint (``"v2-<16 hex>"``) from the sha256 of its files; voices record it."""
     digest = hashlib.sha256(json.dumps(dict(sorted(checkpoint_hashes.items()))).encode("utf-8"))
     return f"{family}-{digest.hexdigest()[:16]}"
-
-
-class _LazyOrtRunner:
-    """An ``OrtRunner`` loaded on first use: the 500 MB speech tokenizer is only read when a voice is made."""
-
-    def __init__(self, path: Path, name: str, threads: int | None):
-        self.path, self.name, self.threads = path, name, threads
-        self._runner = None
-        self._lock = threading.Lock()
-
-    def _get(self):
-        with self._lock:
-            if self._runner is None:
-                from .runtime.ort import OrtRunner
-
-                self._runner = OrtRunner.from_path(self.path, self.name, self.threads)
-            return self._runner
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self._get().input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._get().output_names
-
-    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._get().infer(feed)
 
 
 class CosyVoice:
@@ -157,7 +130,9 @@ class CosyVoice:
         model_id = model_id_from_checkpoint(family, Manifest.read(path).checkpoint)
         tokenizer = families.load_text_tokenizer(family, path / TOKENIZER_DIR)
         builder = families.make_voice_builder(
-            model, lambda name, graph: _LazyOrtRunner(path / name, graph, config.threads), model_id
+            model,
+            lambda name, graph: LazyOrtRunner(path / name, graph, config.threads, check_now=False),
+            model_id,
         )
         speakers = load_speakers(path / SPEAKERS_NAME) if (path / SPEAKERS_NAME).is_file() else {}
         normalizer = _make_normalizer(config.normalizer, tokenizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Final
 
@@ -20,7 +21,7 @@ from . import graphs, graphs_v1, graphs_v3
 from .base import Runner
 from .manifest import Manifest, model_config_from_dict
 from .model import LoadedModel
-from .ort import OrtRunner
+from .ort import LazyOrtRunner, OrtRunner
 
 __all__ = [
     "load_engines",
@@ -32,6 +33,7 @@ __all__ = [
     "SPEAKERS_NAME",
     "TOKENIZER_DIR",
     "graph_specs",
+    "LAZY_GRAPHS",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -45,6 +47,9 @@ FLOW_NOISE_NAME: Final = "flow_noise.npy"  # v2/v3: the official fixed CFM noise
 HIFT_NOISE_NAME: Final = "hift_noise.npy"  # v3: the causal HiFT's fixed NSF buffer prefix [1, S, 9]
 SPEAKERS_NAME: Final = "speakers.npz"  # v1 -SFT/-Instruct: preset speakers from spk2info.pt
 TOKENIZER_DIR: Final = "tokenizer"  # v2/v3: the Qwen tokenizer files; v1: multilingual.tiktoken
+# ONNX Runtime graphs whose session is created on first use: only streaming synthesis runs the
+# chunk-attention estimator, and its session costs ~0.5 s of cold start and its own weights.
+LAZY_GRAPHS: Final = frozenset({"flow_estimator_stream"})
 _GRAPHS_BY_FAMILY: Final = {"v1": graphs_v1.V1_GRAPHS, "v2": graphs.GRAPHS, "v3": graphs_v3.GRAPHS_V3}
 
 
@@ -64,6 +69,7 @@ def load_engines(
     model_dir: Path | None = None,
     backend: str = ORT_BACKEND,
     slots: int = 1,
+    lazy_graphs: Collection[str] = LAZY_GRAPHS,
 ) -> LoadedModel:
     """Load the graphs (ONNX Runtime sessions or TensorRT plans), LLM tables, fixed noise and config.
 
@@ -73,7 +79,9 @@ def load_engines(
     intra-op thread count of every session (default: physical cores). The embedding tables and the
     HiFT noise are memory-mapped read-only. ``backend="tensorrt"`` loads the plans of
     ``engines_dir/plans`` (``slots`` execution contexts each); a plan built for another GPU,
-    TensorRT version or checkpoint is refused, never used.
+    TensorRT version or checkpoint is refused, never used. On ONNX Runtime the graphs named in
+    ``lazy_graphs`` (default ``LAZY_GRAPHS``: the streaming flow estimator) get a ``LazyOrtRunner``
+    whose session is created by its first call; pass ``()`` to create every session now.
     """
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
@@ -82,11 +90,12 @@ def load_engines(
     if backend == TRT_BACKEND:
         from .trt import checkpoint_digest, load_plan_runners
 
+        _check_trt_graphs(engines_dir, config.family)
         runners: dict[str, Runner] = dict(
             load_plan_runners(engines_dir, slots, checkpoint=checkpoint_digest(manifest.checkpoint))
         )
     else:
-        runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads)
+        runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
     tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}
     noise_path = engines_dir / FLOW_NOISE_NAME
     if config.family == "v1" and not noise_path.is_file():  # v1 draws fresh CFM noise per call
@@ -114,7 +123,11 @@ def load_engines(
 
 
 def _load_runners(
-    engines_dir: Path, manifest: Manifest, specs: dict[str, graphs.GraphSpec], threads: int | None
+    engines_dir: Path,
+    manifest: Manifest,
+    specs: dict[str, graphs.GraphSpec],
+    threads: int | None,
+    lazy_graphs: Collection[str],
 ) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
     for name in specs:
@@ -124,8 +137,24 @@ def _load_runners(
                 f"{engines_dir} has no '{name}' graph. Rebuild it: run `trt-cosy build --model-dir DIR "
                 f"--out {engines_dir}`."
             )
-        runners[name] = OrtRunner.from_path(engines_dir / record.file, name, threads, exported=True)
+        loader = LazyOrtRunner if name in lazy_graphs else OrtRunner.from_path
+        runners[name] = loader(engines_dir / record.file, name, threads, exported=True)
     return runners
+
+
+def _check_trt_graphs(engines_dir: Path, family: str) -> None:
+    """The TensorRT profiles (one plan each) must cover exactly the family's graph set, before any
+    plan is loaded: a v1/v3 directory has its own graph names (``graphs_v1``, ``graphs_v3``)."""
+    from .profiles import PROFILES_NAME, read_profiles, trt_graph_specs
+
+    named = set(read_profiles(engines_dir / PROFILES_NAME))
+    expected = set(trt_graph_specs(family))  # the exported graphs plus the flow step graphs (v2/v3)
+    if named != expected:
+        raise EngineMismatchError(
+            f"{engines_dir / PROFILES_NAME} lists the graphs {sorted(named)}, a {family} model has "
+            f"{sorted(expected)}. Rebuild the engines: run `trt-cosy build --backend tensorrt --model-dir DIR "
+            f"--out {engines_dir}`."
+        )
 
 
 def _read_json(path: Path) -> dict:

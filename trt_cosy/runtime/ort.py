@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -12,12 +13,21 @@ import numpy as np
 
 from ..errors import EngineMismatchError, InputError, ModelDirError, require
 
-__all__ = ["OrtRunner", "OrtKVDecoder", "default_threads", "physical_cores"]
+__all__ = [
+    "OrtRunner",
+    "LazyOrtRunner",
+    "OrtKVDecoder",
+    "default_threads",
+    "physical_cores",
+    "use_shared_arena",
+]
 
 _LOGGER = logging.getLogger(__name__)
 _CPU_SYSFS: Final = Path("/sys/devices/system/cpu")
 # LLM-contract outputs a decoder binds (``hidden`` is left unbound: ORT does not return it).
 _DECODER_OUTPUTS: Final = ("logits", "present_keys", "present_values")
+_SHARED_ARENA_LOCK: Final = threading.Lock()
+_shared_arena_state: list[bool] = []  # [registered?] once tried: one process-wide CPU arena
 
 
 def physical_cores() -> int | None:
@@ -48,6 +58,40 @@ def default_threads() -> int:
     if cores is not None:
         return max(1, cores)
     return max(1, (os.cpu_count() or 2) // 2)
+
+
+def use_shared_arena(options: Any) -> bool:
+    """Make a session created with ``options`` allocate from one process-wide CPU arena.
+
+    Each ``InferenceSession`` otherwise grows its own arena to its own peak and never returns it, so
+    a process holding the LLM, flow and HiFT sessions keeps the sum of their peaks resident. The
+    stages run one after another, so one shared arena (ONNX Runtime's environment allocator,
+    registered on first use) only grows to the largest concurrent need. Returns whether the shared
+    arena is registered; when registration fails the session keeps its own arena.
+    """
+    ort = require("onnxruntime", "cpu")
+    with _SHARED_ARENA_LOCK:
+        if not _shared_arena_state:
+            info = ort.OrtMemoryInfo(
+                "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+            )
+            try:  # max_mem 0 (no limit); -1: ORT's defaults for extend strategy, chunk and dead bytes
+                ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+                _shared_arena_state.append(True)
+            # ORT raises a plain RuntimeError/Fail, e.g. when another library registered one first.
+            except Exception as exc:
+                _LOGGER.warning("no shared ONNX Runtime CPU arena (%s); each session keeps its own", exc)
+                _shared_arena_state.append(False)
+    if _shared_arena_state[0]:
+        options.add_session_config_entry("session.use_env_allocators", "1")
+    return _shared_arena_state[0]
+
+
+def _load_error(exported: bool) -> tuple[type[Exception], str]:
+    """The error class and remedy for a graph that cannot be loaded: one we built, or a release file."""
+    if exported:
+        return EngineMismatchError, "Rebuild it with `trt-cosy build`."
+    return ModelDirError, "Re-download the model release."
 
 
 def _numpy_dtype(ort_type: str) -> np.dtype | None:
@@ -84,16 +128,18 @@ class OrtRunner:
         providers: Sequence[str] | None = None,
         *,
         exported: bool = False,
+        shared_arena: bool = True,
     ) -> OrtRunner:
         """Load ``path`` (ORT_ENABLE_ALL, sequential, ``threads`` intra-op threads, default physical cores).
 
-        ``providers`` defaults to CPU only. A missing or unreadable file raises ``ModelDirError``, or
-        ``EngineMismatchError`` when ``exported`` (a graph ``trt-cosy build`` wrote, not a release file).
+        ``providers`` defaults to CPU only. ``shared_arena`` allocates from the process-wide CPU arena
+        (``use_shared_arena``) instead of a per-session one. A missing or unreadable file raises
+        ``ModelDirError``, or ``EngineMismatchError`` when ``exported`` (a graph ``trt-cosy build``
+        wrote, not a release file).
         """
         ort = require("onnxruntime", "cpu")
         path = Path(path)
-        error = EngineMismatchError if exported else ModelDirError
-        remedy = "Rebuild it with `trt-cosy build`." if exported else "Re-download the model release."
+        error, remedy = _load_error(exported)
         if not path.is_file():
             raise error(f"ONNX model {path} for graph '{name}' does not exist. {remedy}")
         options = ort.SessionOptions()
@@ -101,6 +147,8 @@ class OrtRunner:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.intra_op_num_threads = default_threads() if threads is None else int(threads)
         options.inter_op_num_threads = 1  # sequential execution never runs two nodes at once
+        if shared_arena:
+            use_shared_arena(options)
         providers = list(providers or ["CPUExecutionProvider"])
         try:
             session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
@@ -148,6 +196,64 @@ class OrtRunner:
     def kv_decoder(self, cache_shape: tuple[int, ...]) -> OrtKVDecoder:
         """A step-by-step decoder for a graph of the ``LLM`` contract (see ``OrtKVDecoder``)."""
         return OrtKVDecoder(self, cache_shape)
+
+
+class LazyOrtRunner:
+    """An ``OrtRunner`` whose session is created on first use (thread-safe), e.g. a graph only some
+    requests need (the chunk-attention flow estimator of streaming synthesis).
+
+    The file is checked at once (``check_now=False``: at first use, for optional frontend models); the
+    session is created (once, costing its load time) by the first
+    ``infer``, ``input_names``, ``output_names`` or ``input_specs``, or by ``load()``, which a server
+    can call in the background after start-up. On Python < 3.12 ``isinstance(runner, Runner)`` reads
+    the properties, so it creates the session too.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        name: str,
+        threads: int | None = None,
+        *,
+        exported: bool = False,
+        check_now: bool = True,
+    ):
+        self.name = name
+        self._path, self._threads, self._exported = Path(path), threads, exported
+        self._runner: OrtRunner | None = None
+        self._lock = threading.Lock()
+        if check_now and not self._path.is_file():
+            error, remedy = _load_error(exported)
+            raise error(f"ONNX model {self._path} for graph '{name}' does not exist. {remedy}")
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the session exists yet."""
+        return self._runner is not None
+
+    def load(self) -> OrtRunner:
+        """The underlying runner, creating its session if this is the first use."""
+        with self._lock:
+            if self._runner is None:
+                _LOGGER.debug("creating the deferred session of '%s'", self.name)
+                self._runner = OrtRunner.from_path(
+                    self._path, self.name, self._threads, exported=self._exported
+                )
+            return self._runner
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.load().input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self.load().output_names
+
+    def input_specs(self) -> dict[str, tuple[tuple[int | str | None, ...], np.dtype | None]]:
+        return self.load().input_specs()
+
+    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.load().infer(feed)
 
 
 class OrtKVDecoder:

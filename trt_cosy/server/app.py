@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import InputError
+from ..synthesis import SynthesisConfig
 from .audio_encoding import available_formats
 from .errors import APIError, error_body, validation_message
 from .limits import Admission, BodySizeLimit
@@ -45,7 +46,8 @@ _UPLOAD_SLACK: Final = 64 * 1024  # multipart framing and the form fields around
 
 
 def warm_up(tts: Any) -> None:
-    """Run every graph once: a voice from a synthetic 2 s recording, then one short sentence."""
+    """Run every graph once: a voice from a synthetic 2 s recording, then one short sentence, plain and
+    streamed (which also creates the deferred chunk-attention session, ``engines.LAZY_GRAPHS``)."""
     rng = np.random.default_rng(0)
     time_axis = np.arange(2 * _WARMUP_RATE) / _WARMUP_RATE  # time_axis: [N]
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3 * time_axis)  # syllable-like loudness
@@ -58,8 +60,9 @@ def warm_up(tts: Any) -> None:
         path = Path(folder) / "warmup.wav"
         soundfile.write(path, signal.astype(np.float32), _WARMUP_RATE)
         voice = tts.voice_from_wav(path, None)
-    for _ in tts.synthesize(_WARMUP_TEXT, voice, 0):
-        pass
+    for config in (SynthesisConfig(), SynthesisConfig(stream=True)):
+        for _ in tts.synthesize(_WARMUP_TEXT, voice, 0, config=config):
+            pass
 
 
 def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
