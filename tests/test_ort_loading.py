@@ -11,9 +11,9 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
+from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.errors import EngineMismatchError, ModelDirError
@@ -38,11 +38,7 @@ def _write_mlp(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", 32])],
         initializer=[numpy_helper.from_array(WEIGHT, "w")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
-    return path
+    return save_test_graph(graph, path)
 
 
 @pytest.fixture(scope="module")

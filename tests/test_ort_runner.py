@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
+from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.errors import EngineMismatchError, InputError, ModelDirError
@@ -40,11 +40,7 @@ def _write_lookup_model(path: Path) -> Path:
             numpy_helper.from_array(np.array(1, dtype=np.int32), "one"),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
-    return path
+    return save_test_graph(graph, path)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.bench.quality import THRESHOLDS, next_token_agreement, snr_db
@@ -95,10 +96,7 @@ def _rms_norm_model(path: Path, width: int = 8) -> Path:
             numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), "weight"),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
-    return path
+    return save_test_graph(graph, path, check=False)
 
 
 def test_fuse_rms_norm_is_exact(tmp_path):
