@@ -30,3 +30,35 @@ def save_test_graph(graph, path, check: bool = True):
         onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
+
+
+def tiny_release(factory, golden_dir):
+    """The golden tiny CosyVoice2 checkpoint plus the test tokenizer and stand-in frontend models,
+    written once per session into ``factory``'s base temp directory; returns its path."""
+    import shutil
+
+    from trt_cosy.build.testmodel import make_test_model
+    from trt_cosy.config import QWEN_DIR
+
+    base = factory.getbasetemp()
+    release = base / "tiny-release"
+    if not release.is_dir():
+        extras = make_test_model(base / "tiny-extras", size="tiny", seed=0, overwrite=True)
+        shutil.copytree(golden_dir, release, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json"))
+        for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
+            shutil.copy2(extras / name, release / name)
+        for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+            shutil.copy2(extras / QWEN_DIR / name, release / QWEN_DIR / name)
+    return release
+
+
+def tiny_engines(factory, golden_dir):
+    """ONNX Runtime engines of ``tiny_release``, built once per session (later calls are manifest skips)."""
+    from trt_cosy.build.engines import build_engines
+
+    return build_engines(tiny_release(factory, golden_dir), factory.getbasetemp() / "tiny-engines")
+
+
+def shared_tiny_engines(factory, golden_dir):
+    """(release, engines) of the session's tiny build (``tiny_release``, ``tiny_engines``)."""
+    return tiny_release(factory, golden_dir), tiny_engines(factory, golden_dir)

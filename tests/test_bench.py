@@ -7,36 +7,20 @@ through the pytest base temp).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from _support import tiny_engines
 
 from trt_cosy.benchmark import BenchOptions, format_bench, main, run_bench
-from trt_cosy.build import engines as build_module
-from trt_cosy.build.testmodel import make_test_model
 from trt_cosy.errors import InputError
 
 pytestmark = pytest.mark.slow  # one shared tiny build per session, then a few seconds
 
 
-def _shared_tiny_engines(factory: pytest.TempPathFactory, golden_dir: Path) -> Path:
-    """Same layout and path as ``shared_tiny_engines`` in test_engines.py (a manifest-match skip if built)."""
-    base = factory.getbasetemp()
-    release = base / "tiny-release"
-    if not release.is_dir():
-        extras = make_test_model(base / "tiny-extras", size="tiny", seed=0, overwrite=True)
-        shutil.copytree(golden_dir, release, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json"))
-        for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
-            shutil.copy2(extras / name, release / name)
-        for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-            shutil.copy2(extras / "CosyVoice-BlankEN" / name, release / "CosyVoice-BlankEN" / name)
-    return build_module.build_engines(release, base / "tiny-engines")
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, v2_tiny_dir) -> Path:
-    return _shared_tiny_engines(tmp_path_factory, v2_tiny_dir)
+    return tiny_engines(tmp_path_factory, v2_tiny_dir)
 
 
 def test_bench_report(engines):

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _support import BLOCK_TORCH
+from _support import BLOCK_TORCH, shared_tiny_engines
 
 from trt_cosy.build import engines as build_module
 from trt_cosy.build.export import ExportResult, graph_export_plan
 from trt_cosy.build.noise import official_flow_noise
 from trt_cosy.build.reference import load_torch_model
-from trt_cosy.build.testmodel import make_test_model
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import EngineMismatchError, InputError
 from trt_cosy.runtime import graphs
@@ -45,21 +44,6 @@ HOST_FILES = [
     "tokenizer/merges.txt",
     "tokenizer/tokenizer_config.json",
 ]
-
-
-def shared_tiny_engines(factory: pytest.TempPathFactory, golden_dir: Path) -> tuple[Path, Path]:
-    """(release, engines): the golden tiny checkpoint plus a tokenizer and stand-in frontend models,
-    built once per session (same as in test_export.py; whichever runs second gets a manifest-match skip)."""
-    base = factory.getbasetemp()
-    release = base / "tiny-release"
-    if not release.is_dir():
-        extras = make_test_model(base / "tiny-extras", size="tiny", seed=0, overwrite=True)
-        shutil.copytree(golden_dir, release, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json"))
-        for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
-            shutil.copy2(extras / name, release / name)
-        for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-            shutil.copy2(extras / "CosyVoice-BlankEN" / name, release / "CosyVoice-BlankEN" / name)
-    return release, build_module.build_engines(release, base / "tiny-engines")
 
 
 @pytest.fixture(scope="module")

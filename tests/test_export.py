@@ -14,14 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _support import shared_tiny_engines
 from torch import nn
 from torch.export import Dim
 
 from trt_cosy.build import export as export_module
-from trt_cosy.build.engines import build_engines
 from trt_cosy.build.export import TOLERANCES, export_graph, graph_export_plan, onnx_io_specs
 from trt_cosy.build.reference import load_torch_model
-from trt_cosy.build.testmodel import make_test_model
 from trt_cosy.errors import TrtCosyError
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.graphs import GraphSpec, TensorSpec
@@ -49,21 +48,6 @@ class _Toy(nn.Module):
 
 def _toy_feed(frames: int) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(frames).standard_normal((1, frames, 8), dtype=np.float32)}
-
-
-def shared_tiny_engines(factory: pytest.TempPathFactory, golden_dir: Path) -> tuple[Path, Path]:
-    """(release, engines): the golden tiny checkpoint plus a tokenizer and stand-in frontend models,
-    built once per session (a later call is a manifest-match skip)."""
-    base = factory.getbasetemp()
-    release = base / "tiny-release"
-    if not release.is_dir():
-        extras = make_test_model(base / "tiny-extras", size="tiny", seed=0, overwrite=True)
-        shutil.copytree(golden_dir, release, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json"))
-        for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
-            shutil.copy2(extras / name, release / name)
-        for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-            shutil.copy2(extras / "CosyVoice-BlankEN" / name, release / "CosyVoice-BlankEN" / name)
-    return release, build_engines(release, base / "tiny-engines")
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,7 @@ def test_lazy_runner_creates_one_session_under_concurrent_first_calls(mlp_path, 
 
 @pytest.fixture(scope="module")
 def tiny_engines(tmp_path_factory, v2_tiny_dir) -> Path:
-    from test_export import shared_tiny_engines
+    from _support import shared_tiny_engines
 
     return shared_tiny_engines(tmp_path_factory, v2_tiny_dir)[1]
 

@@ -173,7 +173,7 @@ BOUNDS = {
 
 @pytest.fixture(scope="module")
 def tiny_fp16(tmp_path_factory, v2_tiny_dir) -> tuple[Path, Path]:
-    from test_export import shared_tiny_engines  # the session's one tiny export (tests/test_export.py)
+    from _support import shared_tiny_engines  # the session's one tiny export (tests/test_export.py)
 
     release, engines = shared_tiny_engines(tmp_path_factory, v2_tiny_dir)
     work = tmp_path_factory.mktemp("tiny-trt")

@@ -25,7 +25,8 @@ pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
 # Shared fixtures and helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
-from test_tts import REF_TEXT, reference_wavs, tiny_engines  # noqa: E402
+from _support import tiny_engines  # noqa: E402
+from test_tts import REF_TEXT, reference_wavs  # noqa: E402
 
 from trt_cosy import AudioChunk, CosyVoice, EngineConfig  # noqa: E402
 from trt_cosy.server import ServerSettings, ThreadedServer, create_app  # noqa: E402

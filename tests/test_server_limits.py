@@ -23,8 +23,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
+from _support import tiny_release  # noqa: E402
 from test_server import RecordingTTS, assert_error, running_server, upload_voice, wait_ready  # noqa: E402
-from test_tts import make_torch_tts, reference_wavs, tiny_release  # noqa: E402
+from test_tts import make_torch_tts, reference_wavs  # noqa: E402
 
 from trt_cosy.frontend.voice import Voice  # noqa: E402
 

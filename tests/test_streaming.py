@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_tts import REF_TEXT, reference_wavs, tiny_engines
+from _support import tiny_engines
+from test_tts import REF_TEXT, reference_wavs
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
 from trt_cosy.pipeline import Stages, render_chunk

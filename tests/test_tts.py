@@ -9,13 +9,13 @@ tests/test_export.py, so a session that runs both builds once).
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile
+from _support import tiny_engines, tiny_release
 
 from trt_cosy import (
     CosyVoice,
@@ -40,29 +40,6 @@ from trt_cosy.tts import model_id_from_checkpoint
 
 FEATURES_AUDIO = Path(__file__).parent / "data" / "features" / "audio"
 REF_TEXT = "Hello, this is me."
-
-
-def tiny_release(factory: pytest.TempPathFactory, golden_dir: Path) -> Path:
-    """The golden tiny checkpoint plus the test tokenizer and stand-in frontend models (as test_export)."""
-    from trt_cosy.build.testmodel import make_test_model
-
-    base = factory.getbasetemp()
-    release = base / "tiny-release"
-    if not release.is_dir():
-        extras = make_test_model(base / "tiny-extras", size="tiny", seed=0, overwrite=True)
-        shutil.copytree(golden_dir, release, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json"))
-        for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
-            shutil.copy2(extras / name, release / name)
-        for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-            shutil.copy2(extras / QWEN_DIR / name, release / QWEN_DIR / name)
-    return release
-
-
-def tiny_engines(factory: pytest.TempPathFactory, golden_dir: Path) -> Path:
-    """ONNX Runtime engines of ``tiny_release``, built once per session (later calls are manifest skips)."""
-    from trt_cosy.build.engines import build_engines
-
-    return build_engines(tiny_release(factory, golden_dir), factory.getbasetemp() / "tiny-engines")
 
 
 def reference_wavs(folder: Path) -> dict[str, Path]:

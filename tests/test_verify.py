@@ -158,7 +158,7 @@ def test_golden_of_another_family_is_refused() -> None:
 
 @pytest.mark.slow
 def test_verify_on_quantised_engines_says_which_engines_parity_needs(tmp_path_factory, tmp_path) -> None:
-    from test_export import shared_tiny_engines
+    from _support import shared_tiny_engines
 
     from trt_cosy.build.quantize import derive_engines
 
