@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Final
 
 import numpy as np
-import torch
 
 from ..config import ModelConfig
 from ..errors import InputError
@@ -34,7 +33,7 @@ from .modules.flow import CosyVoice2Flow
 from .modules.hift import HiFTGenerator
 from .modules.llm import CosyVoice2LM
 from .standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
-from .testmodel_parts import calibrate_f0, save_state, save_tied_llm, unfold_weight_norm, write_qwen_dir
+from .testmodel_parts import write_checkpoints, write_qwen_dir
 from .testmodel_v1v3 import write_release_v1, write_release_v3
 from .yaml_template import FULL_SIZES, TINY_SIZES, render_cosyvoice2_yaml
 
@@ -78,18 +77,14 @@ def _write_release_v2(root: Path, size: str, seed: int) -> None:
     write_qwen_dir(root, size)
     config = ModelConfig.from_release_dir(root)
 
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        save_tied_llm(CosyVoice2LM(config.llm), root / "llm.pt")
-        torch.manual_seed(seed + 1)
-        save_state(CosyVoice2Flow(config.flow).state_dict(), root / "flow.pt")
-        torch.manual_seed(seed + 2)
-        hift = HiFTGenerator(config.hift)
-        calibrate_f0(hift, seed)
-        save_state(unfold_weight_norm(hift.state_dict()), root / "hift.pt")
-    finally:
-        torch.random.set_rng_state(generator_state)
+    write_checkpoints(
+        root,
+        seed,
+        lambda: CosyVoice2LM(config.llm),
+        lambda: CosyVoice2Flow(config.flow),
+        lambda: HiFTGenerator(config.hift),
+        tied_llm=True,
+    )
     rng = np.random.default_rng(seed)
     write_standin_campplus(root / "campplus.onnx", rng)
     write_standin_speech_tokenizer(root / "speech_tokenizer_v2.onnx", rng)

@@ -8,6 +8,7 @@ voiced, and the ``CosyVoice-BlankEN`` directory of the Qwen2 families.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -19,6 +20,7 @@ from ..frontend.tokenizer import special_tokens_for
 from .tokenizer_writer import write_test_tokenizer
 
 __all__ = [
+    "write_checkpoints",
     "save_state",
     "save_tied_llm",
     "calibrate_f0",
@@ -92,6 +94,36 @@ def write_qwen_dir(root: Path, size: str, family: str = "v2") -> None:
     )
     vocab_size = min(_TEST_TOKENIZER_VOCAB, qwen["vocab_size"])
     write_test_tokenizer(qwen_dir, vocab_size, special_tokens_for(family))
+
+
+def write_checkpoints(
+    root: Path,
+    seed: int,
+    make_llm: Callable[[], nn.Module],
+    make_flow: Callable[[], nn.Module],
+    make_hift: Callable[[], nn.Module],
+    *,
+    tied_llm: bool,
+) -> None:
+    """``llm.pt``, ``flow.pt`` and ``hift.pt`` of fresh random modules, each made right after seeding
+    torch with ``seed``, ``seed + 1`` and ``seed + 2``; HiFT's f0 predictor is calibrated and its
+    weight norm unfolded as the releases store it; the caller's torch RNG state is restored."""
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        llm = make_llm()
+        if tied_llm:  # the Qwen2-based LLMs (v2, v3)
+            save_tied_llm(llm, root / "llm.pt")
+        else:
+            save_state(llm.state_dict(), root / "llm.pt")
+        torch.manual_seed(seed + 1)
+        save_state(make_flow().state_dict(), root / "flow.pt")
+        torch.manual_seed(seed + 2)
+        hift = make_hift()
+        calibrate_f0(hift, seed)
+        save_state(unfold_weight_norm(hift.state_dict()), root / "hift.pt")
+    finally:
+        torch.random.set_rng_state(generator_state)
 
 
 def save_state(state: dict[str, torch.Tensor], path: Path) -> None:

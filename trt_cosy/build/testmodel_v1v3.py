@@ -28,7 +28,7 @@ from .standin_onnx import (
     write_standin_speech_tokenizer,
     write_standin_speech_tokenizer_v1,
 )
-from .testmodel_parts import calibrate_f0, save_state, save_tied_llm, unfold_weight_norm, write_qwen_dir
+from .testmodel_parts import write_checkpoints, write_qwen_dir
 from .tiktoken_writer import write_test_ranks
 from .yaml_template_v1 import V1_FULL_SIZES, V1_TINY_SIZES, render_cosyvoice_yaml
 from .yaml_template_v3 import V3_FULL_SIZES, V3_TINY_SIZES, render_cosyvoice3_yaml
@@ -48,18 +48,14 @@ def write_release_v1(root: Path, size: str, seed: int) -> None:
     sizes = V1_TINY_SIZES if size == "tiny" else V1_FULL_SIZES
     (root / "cosyvoice.yaml").write_text(render_cosyvoice_yaml(sizes, size), encoding="utf-8")
     config = v1_config_from_release_dir(root)
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        save_state(TransformerLMV1(config.llm).state_dict(), root / "llm.pt")
-        torch.manual_seed(seed + 1)
-        save_state(MaskedDiffWithXvecV1(config.flow).state_dict(), root / "flow.pt")
-        torch.manual_seed(seed + 2)
-        hift = build_hift_v1(config.hift)
-        calibrate_f0(hift, seed)
-        save_state(unfold_weight_norm(hift.state_dict()), root / "hift.pt")
-    finally:
-        torch.random.set_rng_state(generator_state)
+    write_checkpoints(
+        root,
+        seed,
+        lambda: TransformerLMV1(config.llm),
+        lambda: MaskedDiffWithXvecV1(config.flow),
+        lambda: build_hift_v1(config.hift),
+        tied_llm=False,
+    )
     _write_spk2info(root / _SPK2INFO_FILE, seed)
     # The tokenizer's ids must fit the text embedding: the ranks, then whisper's specials.
     write_test_ranks(root / V1_TOKENIZER_FILE, config.llm.text_token_size - len(whisper_specials()))
@@ -83,18 +79,14 @@ def write_release_v3(root: Path, size: str, seed: int) -> None:
     (root / "cosyvoice3.yaml").write_text(render_cosyvoice3_yaml(sizes, size), encoding="utf-8")
     write_qwen_dir(root, size, family="v3")
     config = v3_config_from_release_dir(root)
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        save_tied_llm(CosyVoice3LM(config.llm), root / "llm.pt")
-        torch.manual_seed(seed + 1)
-        save_state(CosyVoice3Flow(config.flow).state_dict(), root / "flow.pt")
-        torch.manual_seed(seed + 2)
-        hift = CausalHiFTGenerator(config.hift)
-        calibrate_f0(hift, seed)
-        save_state(unfold_weight_norm(hift.state_dict()), root / "hift.pt")
-    finally:
-        torch.random.set_rng_state(generator_state)
+    write_checkpoints(
+        root,
+        seed,
+        lambda: CosyVoice3LM(config.llm),
+        lambda: CosyVoice3Flow(config.flow),
+        lambda: CausalHiFTGenerator(config.hift),
+        tied_llm=True,
+    )
     rng = np.random.default_rng(seed)
     write_standin_campplus(root / "campplus.onnx", rng)
     write_standin_speech_tokenizer(
