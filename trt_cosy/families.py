@@ -37,12 +37,10 @@ from typing import Final
 
 import numpy as np
 
-from .audio import load_audio
 from .errors import InputError
-from .frontend.features import SPEAKER_SAMPLE_RATE, flow_prompt_mel
 from .frontend.tokenizer import ENDOFPROMPT, QwenTextTokenizer, special_tokens_for
 from .frontend.tokenizer_v1 import WhisperTextTokenizer
-from .frontend.voice import Voice, VoiceBuilder, _check_reference
+from .frontend.voice import Voice, VoiceBuilder
 from .pipeline import Request, Stages
 from .pipeline_families import V1Request, V1Stages, V3Request, V3Stages
 from .runtime.base import Runner
@@ -106,29 +104,8 @@ def load_text_tokenizer(family: str, tokenizer_dir: Path) -> QwenTextTokenizer |
 class V1VoiceBuilder(VoiceBuilder):
     """CosyVoice 1 voices: 50 Hz speech tokens and a 22.05 kHz prompt mel, not trimmed to each other."""
 
-    def from_wav(
-        self, path: str | Path, prompt_text_ids: np.ndarray | None = None, prompt_text: str = ""
-    ) -> Voice:
-        wav16k = load_audio(path, SPEAKER_SAMPLE_RATE)  # wav16k: [N16]
-        _check_reference(path, wav16k)
-        embedding = self.speaker_embedding(wav16k)  # embedding: [192]
-        tokens = self.speech_tokens(wav16k)  # tokens: [1, n]
-        if tokens.shape[1] == 0:
-            raise InputError(
-                f"reference audio {path} gave no speech tokens. Use a recording of 3-10 s of clear speech."
-            )
-        wav_model = load_audio(path, self.mel_config.sampling_rate)  # wav_model: [N]
-        mel = flow_prompt_mel(wav_model, self.mel_config)  # mel: [1, T, num_mels]
-        ids = np.zeros(0, np.int32) if prompt_text_ids is None else np.asarray(prompt_text_ids).reshape(-1)
-        return Voice(
-            prompt_text=prompt_text,
-            prompt_text_ids=ids,
-            speech_tokens=tokens[0],
-            prompt_mel=mel[0],
-            speaker_embedding=embedding,
-            sample_rate=self.mel_config.sampling_rate,
-            model_id=self.model_id,
-        )
+    def _pair_prompt(self, tokens: np.ndarray, mel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return tokens, mel  # [1, n], [1, T, 80]: the official v1 frontend keeps both whole
 
 
 def make_voice_builder(

@@ -207,7 +207,7 @@ class VoiceBuilder:
         tokens = self.speech_tokens(wav16k)  # tokens: [1, n]
         wav_model = load_audio(path, self.mel_config.sampling_rate)  # wav_model: [N]
         mel = flow_prompt_mel(wav_model, self.mel_config)  # mel: [1, T, num_mels]
-        tokens, mel = align_prompt(tokens, mel, self.token_mel_ratio)  # [1, P], [1, ratio * P, num_mels]
+        tokens, mel = self._pair_prompt(tokens, mel)  # [1, P], [1, T_P, num_mels]
         if tokens.shape[1] == 0:
             raise InputError(
                 f"reference audio {path} gave no speech tokens. Use a recording of 3-10 s of clear speech."
@@ -223,6 +223,10 @@ class VoiceBuilder:
             sample_rate=self.mel_config.sampling_rate,
             model_id=self.model_id,
         )
+
+    def _pair_prompt(self, tokens: np.ndarray, mel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Trim the prompt tokens [1, n] and mel [1, T, num_mels] to each other (``align_prompt``)."""
+        return align_prompt(tokens, mel, self.token_mel_ratio)  # [1, P], [1, ratio * P, num_mels]
 
     def speaker_embedding(self, wav16k: np.ndarray) -> np.ndarray:
         """campplus on the mean-normalised Kaldi fbank (spec §2.5): float32 [D] (192 for campplus)."""
