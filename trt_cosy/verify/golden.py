@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -52,6 +53,11 @@ class Comparison:
     note: str = ""
 
 
+# The flow/vocoder scenarios of the CosyVoice2 and 3 golden sets (golden README): whole utterance,
+# streaming, and streaming with the prompt padding.
+_FLOW_SCENARIOS: Final = ("nonstream", "stream", "streampad")
+
+
 class GoldenSet:
     """The arrays and ``meta_json`` of one golden ``reference.npz``."""
 
@@ -78,6 +84,17 @@ class GoldenSet:
 
     def __contains__(self, key: str) -> bool:
         return key in self.arrays
+
+    def flow_scenarios(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(name, meta) of each flow/vocoder scenario this file has chunks for (CosyVoice2 and 3)."""
+        for name in _FLOW_SCENARIOS:
+            scenario = self.meta.get(name)
+            if isinstance(scenario, dict) and scenario.get("chunks") and f"{name}_c0_flow_tokens" in self:
+                yield name, scenario
+
+    def ids(self, key: str) -> np.ndarray:
+        """The token ids stored under ``key`` as a flat int64 array."""
+        return self.arrays[key].reshape(-1).astype(np.int64)
 
     def compared_keys(self) -> list[str]:
         return sorted(key for key in self.arrays if not INJECTED_PATTERN.search(key))

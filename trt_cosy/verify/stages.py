@@ -22,18 +22,12 @@ from .recording import RecordingRunner
 
 __all__ = ["run_llm", "run_flow", "run_hift"]
 
-_SCENARIOS = ("nonstream", "stream", "streampad")
-
-
-def _ids(golden: GoldenSet, key: str) -> np.ndarray:
-    return golden[key].reshape(-1).astype(np.int64)
-
 
 def run_llm(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
     if "llm_tf_lm_input" not in golden:
         return {}
-    text, prompt_text = _ids(golden, "in_text"), _ids(golden, "in_prompt_text")
-    prompt_speech, target = _ids(golden, "in_prompt_speech_token"), _ids(golden, "in_target_speech_token")
+    text, prompt_text = golden.ids("in_text"), golden.ids("in_prompt_text")
+    prompt_speech, target = golden.ids("in_prompt_speech_token"), golden.ids("in_target_speech_token")
     prefix_len = 1 + prompt_text.size + text.size + 1 + prompt_speech.size
     n_forced = golden["llm_tf_lm_input"].shape[1] - prefix_len
     stage = LLMStage(model.runners[graphs.LLM.name], model.llm_tables, model.config.llm)
@@ -70,18 +64,11 @@ def _scenario_prompt(golden: GoldenSet, scenario: dict[str, Any]) -> tuple[np.nd
     return tokens, feat
 
 
-def _scenarios(golden: GoldenSet):
-    for name in _SCENARIOS:
-        scenario = golden.meta.get(name)
-        if isinstance(scenario, dict) and scenario.get("chunks") and f"{name}_c0_flow_tokens" in golden:
-            yield name, scenario
-
-
 def _flow_chunks(model: LoadedModel, golden: GoldenSet):
     """Yield (prefix, chunk meta, FlowOutput) for every chunk of every scenario."""
     stage = _flow_stage(model, golden)
     embedding = golden["in_spk_embedding"]
-    for name, scenario in _scenarios(golden):
+    for name, scenario in golden.flow_scenarios():
         prompt_tokens, prompt_feat = _scenario_prompt(golden, scenario)
         for index, chunk in enumerate(scenario["chunks"]):
             prefix = f"{name}_c{index}_"
@@ -141,7 +128,7 @@ def run_hift(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> 
         empty = np.zeros((1, 1, 0), dtype=np.float32)
         out = _hift(model, golden["in_hift_synth_mel"], golden["hift_synth_sine_noise"], empty)
         ours.update(hift_synth_wav=out["wav"], hift_synth_source=out["source"], hift_synth_f0=out["f0"])
-    for name, scenario in _scenarios(golden):
+    for name, scenario in golden.flow_scenarios():
         for index in range(len(scenario["chunks"])):
             prefix = f"{name}_c{index}_"
             out = _hift(

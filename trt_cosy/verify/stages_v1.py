@@ -69,10 +69,6 @@ class _RecordingFlow(V1FlowStage):
         return self.last
 
 
-def _ids(golden: GoldenSet, key: str) -> np.ndarray:
-    return golden[key].reshape(-1).astype(np.int64)
-
-
 def _llm_stage(model: LoadedModel, llm: Runner | None = None) -> V1LLMStage:
     runners = model.runners
     llm = llm or runners[graphs_v1.V1_LLM.name]
@@ -83,8 +79,8 @@ def run_llm_v1(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -
     """Teacher-forced and cached passes (zero-shot layout with the speaker row), greedy decodes."""
     if "llm_tf_lm_input" not in golden:
         return {}
-    text, prompt_text = _ids(golden, "in_text"), _ids(golden, "in_prompt_text")
-    prompt_speech, target = _ids(golden, "in_prompt_speech_token"), _ids(golden, "in_target_speech_token")
+    text, prompt_text = golden.ids("in_text"), golden.ids("in_prompt_text")
+    prompt_speech, target = golden.ids("in_prompt_speech_token"), golden.ids("in_target_speech_token")
     prefix_len = 1 + 1 + prompt_text.size + text.size + 1 + prompt_speech.size  # sos, spk, text, task, speech
     n_forced = golden["llm_tf_lm_input"].shape[1] - prefix_len
     stage = _llm_stage(model)

@@ -24,19 +24,13 @@ from .recording import RecordingRunner
 
 __all__ = ["run_llm_v3", "run_flow_v3", "run_hift_v3"]
 
-_SCENARIOS = ("nonstream", "stream", "streampad")
-
-
-def _ids(golden: GoldenSet, key: str) -> np.ndarray:
-    return golden[key].reshape(-1).astype(np.int64)
-
 
 def run_llm_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
     """Teacher-forced pass, KV-cached steps and the greedy decode (official ``ignore_eos`` rule)."""
     if "llm_tf_lm_input" not in golden:
         return {}
-    text, prompt_text = _ids(golden, "in_text"), _ids(golden, "in_prompt_text")
-    prompt_speech, target = _ids(golden, "in_prompt_speech_token"), _ids(golden, "in_target_speech_token")
+    text, prompt_text = golden.ids("in_text"), golden.ids("in_prompt_text")
+    prompt_speech, target = golden.ids("in_prompt_speech_token"), golden.ids("in_target_speech_token")
     prefix_len = 1 + prompt_text.size + text.size + 1 + prompt_speech.size  # sos, text, task, speech
     n_forced = golden["llm_tf_lm_input"].shape[1] - prefix_len
     runner = model.runners[graphs_v3.LLM.name]
@@ -68,13 +62,6 @@ def run_llm_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -
     return ours
 
 
-def _scenarios(golden: GoldenSet):
-    for name in _SCENARIOS:
-        scenario = golden.meta.get(name)
-        if isinstance(scenario, dict) and scenario.get("chunks") and f"{name}_c0_flow_tokens" in golden:
-            yield name, scenario
-
-
 def _vocoder(model: LoadedModel, golden: GoldenSet) -> V3VocoderStage:
     """The v3 vocoder fed the golden NSF buffer (the model's own one when the file has none)."""
     noise = golden["hift_sine_waves"] if "hift_sine_waves" in golden else model.hift_noise
@@ -101,7 +88,7 @@ def run_flow_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) 
     vocoder = _vocoder(model, golden)
     ratio = model.config.token_mel_ratio
     ours: dict[str, Any] = {}
-    for name, scenario in _scenarios(golden):
+    for name, scenario in golden.flow_scenarios():
         n_prompt = int(scenario["prompt_tokens"])
         prompt_tokens = golden["in_prompt_speech_token"][:, :n_prompt].astype(np.int64)  # [1, P]
         prompt_feat = golden["in_prompt_feat"][:, : int(scenario["prompt_feat_frames"])]  # [1, 2P, 80]
@@ -134,7 +121,7 @@ def run_hift_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) 
     if "in_hift_synth_mel" in golden:
         out = vocoder.vocode(golden["in_hift_synth_mel"], final=True)
         ours.update(hift_synth_wav=out["wav"], hift_synth_source=out["source"], hift_synth_f0=out["f0"])
-    for name, scenario in _scenarios(golden):
+    for name, scenario in golden.flow_scenarios():
         for index, chunk in enumerate(scenario["chunks"]):
             prefix = f"{name}_c{index}_"
             out = vocoder.vocode(golden[prefix + "hift_mel"], final=bool(chunk["hift_finalize"]))
