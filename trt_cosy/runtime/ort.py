@@ -233,6 +233,9 @@ class LazyOrtRunner:
 
     def load(self) -> OrtRunner:
         """The underlying runner, creating its session if this is the first use."""
+        runner = self._runner
+        if runner is not None:  # the hot path: no lock once the session exists
+            return runner
         with self._lock:
             if self._runner is None:
                 _LOGGER.debug("creating the deferred session of '%s'", self.name)
