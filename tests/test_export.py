@@ -123,7 +123,12 @@ def test_graph_matches_torch_at_two_new_lengths(tiny, torch_model, name):
     spec = graphs.GRAPHS[name]
     runner = OrtRunner.from_path(engines / f"{name}.onnx", name, threads=2, exported=True)
     plan = graph_export_plan(name, torch_model.config, seed=11)  # other values than the export used
-    for feed in plan.parity:
+    # The onnxruntime build fuses the non-streaming estimator's attention without key padding
+    # (build.ort_rewrites): it serves unpadded rows only, which is all trt-cosy ever feeds it.
+    unpadded = name != graphs.FLOW_ESTIMATOR.name
+    feeds = [f for f in plan.parity if unpadded or bool(np.all(f["mask"] == 1))]
+    assert feeds, "no parity feed left to check"
+    for feed in feeds:
         expected = torch_model.runners[name].infer(feed)
         got = runner.infer(feed)
         for output in spec.output_names:

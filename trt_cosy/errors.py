@@ -8,6 +8,7 @@ __all__ = [
     "EngineMismatchError",
     "MissingDependencyError",
     "InputError",
+    "BuildError",
 ]
 
 
@@ -29,6 +30,10 @@ class MissingDependencyError(TrtCosyError):
 
 class InputError(TrtCosyError):
     """Bad user input: text, audio, voice or option values."""
+
+
+class BuildError(TrtCosyError):
+    """A build step failed its own self-check (a trt-cosy bug, not a user error)."""
 
 
 def require(module: str, extra: str):

@@ -22,7 +22,7 @@ from typing import Final
 
 import numpy as np
 
-from ..config import release_family
+from ..config import ModelConfig, release_family
 from ..config_v1 import V1ModelConfig
 from ..config_v3 import V3ModelConfig
 from ..errors import InputError
@@ -31,8 +31,8 @@ from ..runtime import graphs_v1
 from ..runtime.engines import FLOW_NOISE_NAME, HIFT_NOISE_NAME, SPEAKERS_NAME, TABLE_NAMES
 from ..runtime.model import LoadedModel
 from ..runtime.profiles import ProfileLimits
-from .export import ExportResult, Progress, export_graph, export_model
-from .export_v3 import export_model_v3
+from .export import ExportResult, GraphPlan, Progress, export_graph, export_model, graph_export_plan
+from .export_v3 import export_model_v3, v3_graph_export_plan
 from .reference import load_torch_model
 from .reference_v1 import export_plans_v1
 from .spk2info import SPK2INFO_FILE, read_spk2info, write_speakers
@@ -43,6 +43,7 @@ __all__ = [
     "hift_noise_seconds",
     "load_model_for_build",
     "export_family",
+    "export_plan",
     "write_model_data",
     "copy_v1_tokenizer",
     "frontend_files",
@@ -107,6 +108,15 @@ def load_model_for_build(model_dir: Path) -> LoadedModel:
 
     config = ModelConfig.from_release_dir(model_dir)
     return load_torch_model(model_dir, hift_noise_seconds=hift_noise_seconds(config))
+
+
+def export_plan(config: ModelConfig | V1ModelConfig, name: str) -> GraphPlan:
+    """The export plan (sample and parity feeds) of graph ``name`` of ``config``'s family."""
+    if config.family == "v3":
+        return v3_graph_export_plan(name, config)
+    if config.family == "v1":
+        return export_plans_v1(config)[name]
+    return graph_export_plan(name, config)
 
 
 def export_family(
