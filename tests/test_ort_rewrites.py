@@ -15,15 +15,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trt_cosy.build.ort_rewrites import (
-    EQUIVALENCE_TOLERANCE,
-    check_equivalent,
-    convs_as_matmuls,
-    fuse_attention,
-    fuse_gelu,
-    rewrite_mish,
-    rewrite_model,
-)
+from trt_cosy.build.ort_passes import EQUIVALENCE_TOLERANCE, GRAPH_REWRITES, check_equivalent, rewrite_model
+from trt_cosy.build.ort_rewrites import fuse_attention, fuse_gelu, rewrite_mish
 from trt_cosy.errors import BuildError
 
 B, T, HEADS, HEAD_DIM = 2, 37, 4, 8
@@ -184,8 +177,8 @@ def test_the_tolerance_is_tight_enough_to_catch_a_wrong_scale():
 
 def test_rewrite_model_notes_dropped_key_padding_in_the_graph():
     model = _attention_model()
-    counts = rewrite_model(model, attention=True, drop_attention_bias=True)
-    assert (counts.attention, counts.mish, counts.gelu) == (1, 0, 0)
+    counts = rewrite_model(model, GRAPH_REWRITES["flow_estimator"])
+    assert (counts.attention, counts.mish, counts.gelu, counts.qwen2_attention) == (1, 0, 0, 0)
     assert "unpadded" in model.doc_string
 
 
@@ -203,33 +196,8 @@ def test_the_built_estimators_are_fused(tmp_path_factory, v2_tiny_dir: Path):
         assert len(fused) == blocks, f"{name}: {len(fused)} fused attention nodes, want {blocks}"
         assert all(len(n.input) == inputs for n in fused), f"{name}: wrong attention inputs"
         assert {"Softmax", "Mish", "Erf"}.isdisjoint(_ops(model)), f"{name}: unfused ops left"
-
-
-@pytest.mark.parametrize(
-    ("kernel", "dilation", "pads", "bias", "group"),
-    [(3, 1, [2, 0], True, 1), (7, 3, [9, 9], False, 1), (1, 1, [0, 0], True, 1), (3, 1, [1, 1], True, 2)],
-)
-def test_convolutions_become_channels_last_matmuls(kernel, dilation, pads, bias, group):
-    rng = np.random.default_rng(kernel)
-    channels, outputs = 6, 10
-    weight = rng.standard_normal((outputs, channels // group, kernel)).astype(np.float32)
-    inits = [numpy_helper.from_array(weight, "w")]
-    inputs = ["x", "w"]
-    if bias:
-        inits.append(numpy_helper.from_array(rng.standard_normal(outputs).astype(np.float32), "b"))
-        inputs.append("b")
-    conv = helper.make_node(
-        "Conv", inputs, ["out"], kernel_shape=[kernel], dilations=[dilation], pads=pads, group=group
-    )
-    before = _model([conv], [_value("x", [2, channels, "T"])], inits)
-    after = copy.deepcopy(before)
-    converted = convs_as_matmuls(after)
-    if group != 1:
-        assert converted == 0 and after == before  # grouped convolutions are not rewritten
-        return
-    assert converted == 1 and "Conv" not in _ops(after)
-    matmul = next(n for n in after.graph.node if n.op_type == "MatMul")
-    assert matmul.input[1] in {t.name for t in after.graph.initializer}  # what the int8 quantiser needs
-    feeds = [{"x": rng.standard_normal((2, channels, frames)).astype(np.float32)} for frames in (31, 64)]
-    worst = check_equivalent(before, after, feeds, "conv")
-    assert worst < 1e-5, f"conv as MatMul differs by {worst:.2e}"
+    llm = onnx.load(str(engines / "llm.onnx"), load_external_data=False)
+    layers = ModelConfig.from_release_dir(v2_tiny_dir).llm.qwen.num_layers
+    assert _ops(llm).count("GroupQueryAttention") == layers, "every Qwen2 layer's attention is fused"
+    assert {"Softmax", "Where", "Neg"}.isdisjoint(_ops(llm)), "unfused attention or rotary ops left"
+    assert _ops(llm).count("Cos") == 1, "one rotary table for all layers"

@@ -47,7 +47,7 @@ from .family_engines import (
     load_model_for_build,
     write_model_data,
 )
-from .ort_rewrites import rewrite_engine_graphs
+from .ort_passes import rewrite_engine_graphs
 from .quantize import QUANTIZED_PRECISIONS, quantize_engines
 
 __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
