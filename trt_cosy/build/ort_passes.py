@@ -106,11 +106,14 @@ def check_equivalent(
     Raises:
         BuildError: the difference exceeds ``EQUIVALENCE_TOLERANCE`` (a rewrite changed the maths).
     """
-    sessions = [_session(graph) for graph in (before, after)]
+    feeds = [dict(feed) for feed in feeds]
+    session = _session(before)  # one session at a time: a full-size LLM holds 1.5 GB of weights
+    reference = [session.run(None, feed) for feed in feeds]
+    del session
+    session = _session(after)
     worst = 0.0
-    for feed in feeds:
-        reference, candidate = (session.run(None, dict(feed)) for session in sessions)
-        for want, got in zip(reference, candidate, strict=True):
+    for feed, wanted in zip(feeds, reference, strict=True):
+        for want, got in zip(wanted, session.run(None, feed), strict=True):
             scale = max(float(np.abs(want).max()), 1e-12)
             worst = max(worst, float(np.abs(got - want).max()) / scale)
     if not worst <= EQUIVALENCE_TOLERANCE:
