@@ -76,3 +76,35 @@ def test_derived_int4_engines_bench_and_leave_fp32_untouched(engines, tmp_path):
     Manifest.read(derived).check(derived, precision="int4")
     report = run_bench(derived, BenchOptions(tokens=30, runs=1, warmup=0, cold_start=False, threads=1))
     assert report["precision"] == "int4" and report["metrics"]["tokens"]["median"] == 30
+
+
+def test_ab_engines_alternates_directories(engines, tmp_path, capsys):
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "ab_engines.py"
+    spec = importlib.util.spec_from_file_location("ab_engines", script)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    out = tmp_path / "ab.json"
+    assert (
+        ab.main(
+            [
+                str(engines),
+                str(engines),
+                "--runs",
+                "2",
+                "--tokens",
+                "30",
+                "--threads",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    runs = json.loads(out.read_text())[str(engines)]
+    assert len(runs) == 4  # the same directory twice: 2 timed rounds each
+    assert all(run["tokens"] == 30 and run["rtf"] > 0 for run in runs)
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(" ", 1)[0] for line in printed[:2]] == ["warm-up", "warm-up"]
