@@ -115,3 +115,17 @@ def test_missing_and_corrupt_files(tmp_path):
         OrtRunner.from_path(corrupt, "campplus")
     with pytest.raises(EngineMismatchError, match="trt-cosy build"):
         OrtRunner.from_path(corrupt, "flow_estimator", exported=True)
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"), [("1.32.0", True), ("1.22.1", True), ("1.20.1", False), ("1.9.0", False)]
+)
+def test_engines_need_a_recent_onnxruntime(version, ok):
+    from trt_cosy.errors import MissingDependencyError
+    from trt_cosy.runtime.ort import check_engine_runtime
+
+    if ok:
+        check_engine_runtime(version)
+    else:
+        with pytest.raises(MissingDependencyError, match=r"pip install 'onnxruntime>=1\.22'"):
+            check_engine_runtime(version)

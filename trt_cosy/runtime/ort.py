@@ -11,7 +11,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import EngineMismatchError, InputError, ModelDirError, require
+from ..errors import EngineMismatchError, InputError, MissingDependencyError, ModelDirError, require
 
 __all__ = [
     "OrtRunner",
@@ -20,6 +20,8 @@ __all__ = [
     "default_threads",
     "physical_cores",
     "use_shared_arena",
+    "check_engine_runtime",
+    "MIN_ENGINE_ORT",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -27,6 +29,9 @@ _CPU_SYSFS: Final = Path("/sys/devices/system/cpu")
 # LLM-contract outputs a decoder binds (``hidden`` is left unbound: ORT does not return it).
 _DECODER_OUTPUTS: Final = ("logits", "present_keys", "present_values")
 _SHARED_ARENA_LOCK: Final = threading.Lock()
+# Engines use MultiHeadAttention with a head-broadcast attention_bias and GroupQueryAttention with
+# rotary inside: 1.18 rejects the bias shape, 1.20 returns NaN for it; 1.22 matches 1.32 to 1e-6.
+MIN_ENGINE_ORT: Final = (1, 22)
 _shared_arena_state: list[bool] = []  # [registered?] once tried: one process-wide CPU arena
 
 
@@ -58,6 +63,20 @@ def default_threads() -> int:
     if cores is not None:
         return max(1, cores)
     return max(1, (os.cpu_count() or 2) // 2)
+
+
+def check_engine_runtime(version: str) -> None:
+    """Refuse an onnxruntime older than ``MIN_ENGINE_ORT`` for trt-cosy's engines (their contrib ops)."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) < MIN_ENGINE_ORT:
+        wanted = ".".join(map(str, MIN_ENGINE_ORT))
+        raise MissingDependencyError(
+            f"onnxruntime {version} is too old for trt-cosy engines (they use its attention kernels from "
+            f"{wanted} on). Upgrade it: pip install 'onnxruntime>={wanted}'"
+        )
 
 
 def use_shared_arena(options: Any) -> bool:
@@ -138,6 +157,8 @@ class OrtRunner:
         wrote, not a release file).
         """
         ort = require("onnxruntime", "cpu")
+        if exported:
+            check_engine_runtime(ort.__version__)
         path = Path(path)
         error, remedy = _load_error(exported)
         if not path.is_file():
