@@ -22,6 +22,7 @@ end, so an interrupted build never leaves a half-written engines directory behin
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -195,16 +196,19 @@ def _write_engines(
         results = export_model(model, staging, progress=emit)
     else:
         results = export_family(model, staging, progress=emit)
+    write_model_data(model, model_dir, staging)  # tables, fixed noise, preset speakers
+    config = model.config
+    del model  # the torch weights (2+ GB at full size) are not needed past this point
+    gc.collect()
     if backend == "tensorrt":
         from .tensorrt import prepare_trt_graphs
 
-        prepare_trt_graphs(staging, model.config, hashes, precision, progress=emit)
+        prepare_trt_graphs(staging, config, hashes, precision, progress=emit)
     else:  # onnxruntime: faster CPU forms of the estimators, proven equal, then the precision
-        rewrite_engine_graphs(staging, lambda name: _plan_feeds(model.config, name), progress=emit)
+        rewrite_engine_graphs(staging, lambda name: _plan_feeds(config, name), progress=emit)
         if precision != "fp32":
             quantize_engines(staging, precision, family, progress=emit)
-    write_model_data(model, model_dir, staging)  # tables, fixed noise, preset speakers
-    _write_model_config(model.config, staging / MODEL_CONFIG_NAME)
+    _write_model_config(config, staging / MODEL_CONFIG_NAME)
     if family == "v1":
         copy_v1_tokenizer(model_dir, staging / TOKENIZER_DIR)
     else:
