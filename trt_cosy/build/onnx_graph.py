@@ -6,6 +6,7 @@ lookup, single-consumer walks, the attention head-split trace, dead-node removal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -21,6 +22,7 @@ __all__ = [
     "attribute",
     "trace_head_input",
     "is_scalar",
+    "fuse_sites",
     "replace_nodes",
     "drop_dead_nodes",
     "ensure_opset",
@@ -113,6 +115,24 @@ def is_scalar(index: GraphIndex, name: str, value: float) -> bool:
     return (
         array is not None and array.size == 1 and abs(float(array.reshape(())) - value) <= 1e-6 * abs(value)
     )
+
+
+def fuse_sites(
+    model: onnx.ModelProto,
+    anchor: str,
+    match: Callable[[GraphIndex, onnx.NodeProto, int], onnx.NodeProto | None],
+) -> int:
+    """Call ``match(index, node, number)`` on every ``anchor``-type node; each node it returns takes
+    the place of the node producing its first output (``replace_nodes``). Returns how many did."""
+    index = GraphIndex(model.graph)
+    replacements: dict[str, onnx.NodeProto] = {}
+    for node in [n for n in model.graph.node if n.op_type == anchor]:
+        fused = match(index, node, len(replacements))
+        if fused is not None:
+            replacements[fused.output[0]] = fused
+    if replacements:
+        replace_nodes(model, replacements)
+    return len(replacements)
 
 
 def replace_nodes(model: onnx.ModelProto, replacements: dict[str, onnx.NodeProto]) -> None:

@@ -17,7 +17,6 @@ then proves each rewritten graph equal on the export plan's feeds.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,8 +27,6 @@ from onnx import helper, numpy_helper
 from .onnx_graph import MS_DOMAIN, GraphIndex, attribute, drop_dead_nodes, ensure_opset, trace_head_input
 
 __all__ = ["fuse_qwen2_attention"]
-
-_LOGGER = logging.getLogger(__name__)
 
 _TAG: Final = "ort_llm_rewrites/"
 _SKIP: Final = frozenset({"Reshape", "Transpose", "Unsqueeze"})

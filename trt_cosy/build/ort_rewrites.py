@@ -19,7 +19,6 @@ Applied to onnxruntime engines only (TensorRT gets the exported graphs through `
 
 from __future__ import annotations
 
-import logging
 from typing import Final
 
 import numpy as np
@@ -31,14 +30,12 @@ from .onnx_graph import (
     MS_DOMAIN,
     GraphIndex,
     attribute,
+    fuse_sites,
     is_scalar,
-    replace_nodes,
     trace_head_input,
 )
 
 __all__ = ["fuse_attention", "rewrite_mish", "fuse_gelu"]
-
-_LOGGER = logging.getLogger(__name__)
 
 _MISH_CLAMP: Final = 20.0  # n / (n + 2) == 1.0 in float32 well before x = 20; e^40 is still finite
 
@@ -67,16 +64,9 @@ def fuse_attention(model: onnx.ModelProto, drop_bias: bool) -> int:
     Returns:
         The number of attention sites fused (sites that do not match are left as they are).
     """
-    index = GraphIndex(model.graph)
-    replacements: dict[str, onnx.NodeProto] = {}  # merged output name -> fused node
-    for softmax in [n for n in model.graph.node if n.op_type == "Softmax"]:
-        fused = _fuse_site(index, softmax, drop_bias, len(replacements))
-        if fused is not None:
-            replacements[fused.output[0]] = fused
-    if not replacements:
-        return 0
-    replace_nodes(model, replacements)
-    return len(replacements)
+    return fuse_sites(
+        model, "Softmax", lambda index, softmax, number: _fuse_site(index, softmax, drop_bias, number)
+    )
 
 
 def _fuse_site(
@@ -151,16 +141,7 @@ def rewrite_mish(model: onnx.ModelProto) -> int:
 
 def fuse_gelu(model: onnx.ModelProto) -> int:
     """``x · (erf(x / √2) + 1) · 0.5`` (the two Muls in either order) -> ``com.microsoft.Gelu``."""
-    index = GraphIndex(model.graph)
-    replacements: dict[str, onnx.NodeProto] = {}
-    for erf in [n for n in model.graph.node if n.op_type == "Erf"]:
-        fused = _gelu_site(index, erf, len(replacements))
-        if fused is not None:
-            replacements[fused.output[0]] = fused
-    if not replacements:
-        return 0
-    replace_nodes(model, replacements)
-    return len(replacements)
+    return fuse_sites(model, "Erf", _gelu_site)
 
 
 def _gelu_site(index: GraphIndex, erf: onnx.NodeProto, number: int) -> onnx.NodeProto | None:
