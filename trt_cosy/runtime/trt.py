@@ -143,6 +143,8 @@ class _Slot:
     stream: Stream
     first_profile: int  # the engine profile of this slot's local profile 0 (index · profiles per slot)
     workspace: DeviceBuffer  # the context's activation memory (USER_MANAGED), grow-only
+    retired: list[tuple[DeviceBuffer, Event]] = field(default_factory=list)  # outgrown, maybe in use
+    memory_given: bool = False  # set_device_memory has been called
     device: dict[str, DeviceBuffer] = field(default_factory=dict)
     host: dict[str, PinnedBuffer] = field(default_factory=dict)
     profile: int = -1  # local profile index (into GraphProfiles.profiles)
@@ -247,6 +249,8 @@ class TrtRunner:
         except the first time the slot selects a profile that needs more activation memory than it holds.
         """
         state = self._slots[slot]
+        if state.retired:
+            self._release_retired(state)
         missing = [n for n in self.input_names if n not in shapes]
         if missing:
             raise InputError(f"graph '{self.name}' needs inputs {list(self.input_names)}; missing {missing}.")
@@ -346,6 +350,7 @@ class TrtRunner:
         for state in self._slots:
             state.stream.synchronize()  # queued launches may still use the memory below
             state.context = None  # the context goes before the activation memory it was given
+            self._release_retired(state, wait=True)
             for buffer in (*state.device.values(), *state.host.values(), state.workspace):
                 buffer.free()
             state.stream.free()
@@ -412,20 +417,37 @@ class TrtRunner:
         return state
 
     def _provide_workspace(self, state: _Slot, profile: int) -> None:
-        """Grow the slot's activation memory to what ``profile`` needs and hand it to the context."""
+        """Grow the slot's activation memory to what ``profile`` needs and hand it to the context.
+
+        The old block may still be in use by launches queued on the slot's stream: it is retired with
+        an event and freed once that event has passed (``_release_retired``), never with a host sync.
+        """
         need = self._workspace_need[state.first_profile + profile]
-        if state.workspace.ptr and need <= state.workspace.nbytes:
+        if state.memory_given and need <= state.workspace.nbytes:
             return
-        if state.workspace.ptr:  # queued launches may still use the old block
-            state.stream.synchronize()
-        state.workspace.resize(need)
+        if state.workspace.ptr:
+            state.retired.append((state.workspace, Event().record(state.stream)))
+        state.workspace = DeviceBuffer(need)  # need 0: a null pointer, which the header allows
         state.context.set_device_memory(state.workspace.ptr, state.workspace.nbytes)
+        state.memory_given = True
         _LOGGER.debug(
             "%s slot %d: %.1f MiB of activation memory",
             self.name,
             state.index,
             state.workspace.nbytes / 2**20,
         )
+
+    @staticmethod
+    def _release_retired(state: _Slot, wait: bool = False) -> None:
+        """Free the activation blocks whose last launches have finished (all of them with ``wait``)."""
+        keep = []
+        for buffer, event in state.retired:
+            if wait or event.done():
+                buffer.free()
+                event.free()
+            else:
+                keep.append((buffer, event))
+        state.retired = keep
 
     def _switch_profile(self, state: _Slot, profile: int) -> None:
         self._provide_workspace(state, profile)
