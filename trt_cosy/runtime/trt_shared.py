@@ -46,18 +46,21 @@ def load_tensorrt() -> Any:
 def trt_logger(trt: Any) -> Any:
     """The process's one ``trt.ILogger``, forwarding TensorRT's messages to Python logging."""
     with _LOCK:
-        if id(trt) not in _LOGGERS:
-            _LOGGERS[id(trt)] = _make_logger(trt)
-        return _LOGGERS[id(trt)]
+        return _logger_locked(trt)
 
 
 def shared_runtime(trt: Any) -> Any:
     """The process's one ``trt.Runtime`` (created with ``trt_logger``); it outlives every engine."""
     with _LOCK:
         if id(trt) not in _RUNTIMES:
-            logger = _LOGGERS.setdefault(id(trt), _make_logger(trt))
-            _RUNTIMES[id(trt)] = trt.Runtime(logger)
+            _RUNTIMES[id(trt)] = trt.Runtime(_logger_locked(trt))
         return _RUNTIMES[id(trt)]
+
+
+def _logger_locked(trt: Any) -> Any:
+    if id(trt) not in _LOGGERS:
+        _LOGGERS[id(trt)] = _make_logger(trt)
+    return _LOGGERS[id(trt)]
 
 
 def _make_logger(trt: Any) -> Any:
