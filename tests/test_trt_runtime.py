@@ -452,6 +452,24 @@ def test_one_logger_and_one_runtime_serve_every_plan(fake_cuda, monkeypatch, tmp
     assert "TensorRT: a warning" in messages and not any("verbose detail" in m for m in messages), messages
 
 
+def test_bench_reports_device_memory_per_context(fake_cuda):
+    """bench/gpu_check.py's "ctx MB": one context of every graph; None for ONNX Runtime runners."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", Path(__file__).parents[1] / "bench" / "gpu_check.py"
+    )
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    runners = {"a": TrtRunner(toy_engine(), "toy", PROFILES, trt=FAKE_TRT)}
+    runners["b"] = TrtRunner(toy_engine(slots=2), "toy", PROFILES, trt=FAKE_TRT, slots=2)
+    report = gpu_check.context_memory(runners)
+    assert report == {name: runner.device_memory()[0] for name, runner in runners.items()}
+    assert report["a"]["total"] == 4096 + 2 * 128 * 4 * 4
+    assert gpu_check.context_memory({**runners, "ort": object()}) is None
+
+
 def test_enqueue_binds_caller_addresses_and_events(fake_cuda):
     runner = TrtRunner(toy_engine(), "toy", PROFILES, trt=FAKE_TRT)
     shapes = runner.set_shapes({"x": (1, 4, 4)})
