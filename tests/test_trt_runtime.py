@@ -452,6 +452,28 @@ def test_one_logger_and_one_runtime_serve_every_plan(fake_cuda, monkeypatch, tmp
     assert "TensorRT: a warning" in messages and not any("verbose detail" in m for m in messages), messages
 
 
+def test_load_plan_runners_refuses_more_slots_than_the_plans_hold(fake_cuda, monkeypatch, tmp_path):
+    import json
+
+    from trt_cosy.runtime import trt as trt_runtime
+    from trt_cosy.runtime.profiles import write_profiles
+
+    trt, _ = _fake_trt_module(toy_engine)  # plans built for one slot
+    monkeypatch.setattr(trt_runtime, "load_tensorrt", lambda: trt)
+    monkeypatch.setattr(trt_runtime, "current_system", lambda trt: SYSTEM)
+    write_profiles({"toy": PROFILES}, tmp_path / "profiles.json")
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "toy.plan").write_bytes(b"plan")
+    record = _record(graph="toy", plan="toy.plan", slots=1)
+    (tmp_path / "plans" / "toy.json").write_text(json.dumps(record.to_dict()))
+    with pytest.raises(
+        EngineMismatchError, match=r"built for 1 concurrent slot\(s\), 2 asked for.*--slots 2"
+    ):
+        trt_runtime.load_plan_runners(tmp_path, slots=2)
+    runners = trt_runtime.load_plan_runners(tmp_path, slots=1)
+    assert set(runners) == {"toy"} and runners["toy"].slots == 1
+
+
 def test_bench_reports_device_memory_per_context(fake_cuda):
     """bench/gpu_check.py's "ctx MB": one context of every graph; None for ONNX Runtime runners."""
     import importlib.util

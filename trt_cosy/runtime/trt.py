@@ -85,11 +85,17 @@ def load_plan_runners(
                 f"{record_path} is missing or unreadable ({exc}). Build the plans: run "
                 f"`trt-cosy build --backend tensorrt --out {engines_dir}`."
             ) from exc
-        reason = plan_mismatch(record, system, checkpoint=checkpoint, profiles=graph.to_dict(), slots=slots)
+        reason = plan_mismatch(record, system, checkpoint=checkpoint, profiles=graph.to_dict())
         if reason is not None:
             raise EngineMismatchError(
                 f"TensorRT plan for '{name}' in {engines_dir} is stale: {reason}. Rebuild it: "
-                f"run `python -m trt_cosy.build.tensorrt {engines_dir} --slots {max(1, slots)}`."
+                f"run `trt-cosy build --backend tensorrt --out {engines_dir}`."
+            )
+        if plan_mismatch(record, system, slots=slots) is not None:
+            raise EngineMismatchError(
+                f"TensorRT plan for '{name}' in {engines_dir} was built for {record.slots} concurrent "
+                f"slot(s), {slots} asked for. Use fewer slots or rebuild the plans: run "
+                f"`python -m trt_cosy.build.tensorrt {engines_dir} --slots {slots}`."
             )
         runners[name] = TrtRunner.from_plan(
             engines_dir / PLANS_DIR / str(record.plan), name, graph, slots=slots
