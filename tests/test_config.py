@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from trt_cosy.config import ModelConfig, release_family
-from trt_cosy.config_v1 import V1ModelConfig
-from trt_cosy.config_v3 import V3ModelConfig
 from trt_cosy.errors import ModelDirError
 from trt_cosy.hyperyaml import Tagged, load_hyperyaml
+from trt_cosy.models.v1.config import V1ModelConfig
+from trt_cosy.models.v3.config import V3ModelConfig
 
 
 def test_reads_golden_tiny_config(v2_tiny_dir: Path) -> None:

@@ -21,11 +21,11 @@ from test_tts import REF_TEXT, reference_wavs
 from trt_cosy import CosyVoice, EngineConfig, InputError, SynthesisConfig, Voice, families
 from trt_cosy.config import QWEN_DIR, ModelConfig
 from trt_cosy.frontend.text import TextNormalizer
+from trt_cosy.models.v1.stages import stream_token_chunks
 from trt_cosy.pipeline_families import V1Request, V1Schedule, V3Request
 from trt_cosy.runtime.manifest import hash_checkpoint, model_config_from_dict
 from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.stages.llm import LLMStage
-from trt_cosy.stages.v1 import stream_token_chunks
 from trt_cosy.streaming import ChunkPlan
 from trt_cosy.tts import model_id_from_checkpoint
 

@@ -191,7 +191,7 @@ def test_v1_preset_speakers_in_the_official_format(family_models: dict[str, Path
 
 
 def test_v1_tokenizer_reads_the_ranks_file(family_models: dict[str, Path]) -> None:
-    from trt_cosy.frontend.tokenizer_v1 import WhisperTextTokenizer
+    from trt_cosy.models.v1.tokenizer import WhisperTextTokenizer
 
     tokenizer = WhisperTextTokenizer(family_models["v1"])  # multilingual.tiktoken in the release dir
     text_vocab = ModelConfig.from_release_dir(family_models["v1"]).llm.text_token_size

@@ -19,7 +19,7 @@ from .errors import ModelDirError
 from .hyperyaml import Tagged, find_tagged, load_hyperyaml
 
 if TYPE_CHECKING:
-    from .config_v1 import V1ModelConfig
+    from .models.v1.config import V1ModelConfig
 
 __all__ = [
     "release_family",
@@ -238,11 +238,11 @@ class ModelConfig:
         model_dir = Path(model_dir)
         family = release_family(model_dir)
         if family == "v1":
-            from .config_v1 import v1_config_from_release_dir  # config_v1 imports this module
+            from .models.v1.config import v1_config_from_release_dir  # config_v1 imports this module
 
             return v1_config_from_release_dir(model_dir)
         if family == "v3":
-            from .config_v3 import v3_config_from_release_dir  # config_v3 imports this module
+            from .models.v3.config import v3_config_from_release_dir  # config_v3 imports this module
 
             return v3_config_from_release_dir(model_dir)
         yaml_path = model_dir / YAML_BY_FAMILY["v2"]

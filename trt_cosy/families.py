@@ -39,17 +39,17 @@ import numpy as np
 
 from .errors import InputError
 from .frontend.tokenizer import ENDOFPROMPT, QwenTextTokenizer, special_tokens_for
-from .frontend.tokenizer_v1 import WhisperTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder
+from .models.v1.graphs import V1_FLOW_ENCODER, V1_FLOW_ESTIMATOR, V1_HIFT, V1_LLM, V1_TEXT_ENCODER
+from .models.v1.stages import V1FlowStage, V1LLMStage, V1Synthesizer
+from .models.v1.tokenizer import WhisperTextTokenizer
+from .models.v3.stages import V3VocoderStage
 from .pipeline import Request, Stages
 from .pipeline_families import V1Request, V1Stages, V3Request, V3Stages
 from .runtime.base import Runner
-from .runtime.graphs_v1 import V1_FLOW_ENCODER, V1_FLOW_ESTIMATOR, V1_HIFT, V1_LLM, V1_TEXT_ENCODER
 from .runtime.model import LoadedModel
 from .stages.flow import FlowStage, device_euler_loops
 from .stages.llm import LLMStage
-from .stages.v1 import V1FlowStage, V1LLMStage, V1Synthesizer
-from .stages.v3 import V3VocoderStage
 from .stages.vocoder import VocoderStage
 from .synthesis import LLMPrompt
 

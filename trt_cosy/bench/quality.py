@@ -24,13 +24,13 @@ from typing import Final
 
 import numpy as np
 
-from ..runtime import graphs_v1
+from ..models.v1 import graphs as graphs_v1
+from ..models.v1.stages import RandomDraws, V1FlowStage, V1LLMStage
+from ..models.v3.stages import V3VocoderStage
 from ..runtime.model import LoadedModel
 from ..stages.flow import FlowStage
 from ..stages.llm import LLMStage
 from ..stages.sampling import log_softmax
-from ..stages.v1 import RandomDraws, V1FlowStage, V1LLMStage
-from ..stages.v3 import V3VocoderStage
 from ..stages.vocoder import VocoderStage
 
 __all__ = ["QualityInputs", "QualityRow", "THRESHOLDS", "snr_db", "next_token_agreement", "quality_guard"]

@@ -23,18 +23,18 @@ from typing import Final
 import numpy as np
 
 from ..config import ModelConfig, release_family
-from ..config_v1 import V1ModelConfig
-from ..config_v3 import V3ModelConfig
 from ..errors import InputError
-from ..frontend.tokenizer_v1 import V1_TOKENIZER_FILE
-from ..runtime import graphs_v1
+from ..models.v1 import graphs as graphs_v1
+from ..models.v1.config import V1ModelConfig
+from ..models.v1.tokenizer import V1_TOKENIZER_FILE
+from ..models.v3.config import V3ModelConfig
 from ..runtime.engines import FLOW_NOISE_NAME, HIFT_NOISE_NAME, SPEAKERS_NAME, TABLE_NAMES
 from ..runtime.model import LoadedModel
 from ..runtime.profiles import ProfileLimits
 from .export import ExportResult, GraphPlan, Progress, export_graph, export_model, graph_export_plan
-from .export_v3 import export_model_v3, v3_graph_export_plan
+from .models.v1.reference import export_plans_v1
+from .models.v3.export import export_model_v3, v3_graph_export_plan
 from .reference import load_torch_model
-from .reference_v1 import export_plans_v1
 from .spk2info import SPK2INFO_FILE, read_spk2info, write_speakers
 
 __all__ = [

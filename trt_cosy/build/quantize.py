@@ -29,7 +29,9 @@ import onnx
 from onnx import helper
 
 from ..errors import InputError
-from ..runtime import graphs, graphs_v1, graphs_v3
+from ..models.v1 import graphs as graphs_v1
+from ..models.v3 import graphs as graphs_v3
+from ..runtime import graphs
 from .onnx_files import save_onnx
 
 __all__ = [

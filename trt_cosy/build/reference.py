@@ -39,11 +39,11 @@ def load_torch_model(
     model_dir = Path(model_dir)
     family = release_family(model_dir)
     if family == "v1":
-        from .reference_v1 import load_torch_model_v1
+        from .models.v1.reference import load_torch_model_v1
 
         return load_torch_model_v1(model_dir, threads=threads)
     if family == "v3":
-        from .reference_v3 import load_torch_model_v3
+        from .models.v3.reference import load_torch_model_v3
 
         return load_torch_model_v3(model_dir, threads=threads, hift_noise_seconds=hift_noise_seconds)
     if threads:

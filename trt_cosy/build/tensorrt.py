@@ -30,8 +30,8 @@ from typing import Any, Final
 
 from .. import __version__
 from ..config import ModelConfig
-from ..config_v1 import V1ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
+from ..models.v1.config import V1ModelConfig
 from ..runtime.manifest import file_sha256
 from ..runtime.profiles import (
     FAMILY_GRAPHS,
@@ -129,11 +129,11 @@ def prepare_trt_graphs(
 def _export_feeds(name: str, config: ModelConfig | V1ModelConfig) -> list[dict[str, Any]]:
     """The export's sample and parity feeds of graph ``name`` (calibration and fp16-vs-fp32 check)."""
     if isinstance(config, V1ModelConfig):
-        from .reference_v1 import export_plans_v1
+        from .models.v1.reference import export_plans_v1
 
         plan = export_plans_v1(config)[name]
     elif config.family == "v3":
-        from .export_v3 import v3_graph_export_plan
+        from .models.v3.export import v3_graph_export_plan
 
         plan = v3_graph_export_plan(name, config)  # type: ignore[arg-type]
     else:

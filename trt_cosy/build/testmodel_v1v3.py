@@ -14,15 +14,17 @@ from typing import Final
 import numpy as np
 import torch
 
-from ..config_v1 import v1_config_from_release_dir
-from ..config_v3 import v3_config_from_release_dir
-from ..frontend.tokenizer_v1 import V1_TOKENIZER_FILE, whisper_specials
-from .modules.causal_hift import CausalHiFTGenerator
-from .modules.v1_flow import MaskedDiffWithXvecV1
-from .modules.v1_hift import build_hift_v1
-from .modules.v1_llm import TransformerLMV1
-from .modules.v3_flow import CosyVoice3Flow
-from .modules.v3_llm import CosyVoice3LM
+from ..models.v1.config import v1_config_from_release_dir
+from ..models.v1.tokenizer import V1_TOKENIZER_FILE, whisper_specials
+from ..models.v3.config import v3_config_from_release_dir
+from .models.v1.flow import MaskedDiffWithXvecV1
+from .models.v1.hift import build_hift_v1
+from .models.v1.llm import TransformerLMV1
+from .models.v1.yaml_template import V1_FULL_SIZES, V1_TINY_SIZES, render_cosyvoice_yaml
+from .models.v3.causal_hift import CausalHiFTGenerator
+from .models.v3.flow import CosyVoice3Flow
+from .models.v3.llm import CosyVoice3LM
+from .models.v3.yaml_template import V3_FULL_SIZES, V3_TINY_SIZES, render_cosyvoice3_yaml
 from .standin_onnx import (
     write_standin_campplus,
     write_standin_speech_tokenizer,
@@ -30,8 +32,6 @@ from .standin_onnx import (
 )
 from .testmodel_parts import write_checkpoints, write_qwen_dir
 from .tiktoken_writer import write_test_ranks
-from .yaml_template_v1 import V1_FULL_SIZES, V1_TINY_SIZES, render_cosyvoice_yaml
-from .yaml_template_v3 import V3_FULL_SIZES, V3_TINY_SIZES, render_cosyvoice3_yaml
 
 __all__ = ["write_release_v1", "write_release_v3", "PRESET_SPEAKERS"]
 

@@ -17,7 +17,9 @@ from typing import Final
 import numpy as np
 
 from ..errors import EngineMismatchError
-from . import graphs, graphs_v1, graphs_v3
+from ..models.v1 import graphs as graphs_v1
+from ..models.v3 import graphs as graphs_v3
+from . import graphs
 from .base import Runner
 from .manifest import Manifest, model_config_from_dict
 from .model import LoadedModel

@@ -21,9 +21,9 @@ from typing import Any, Final
 
 from .. import __version__
 from ..config import QWEN_DIR, YAML_BY_FAMILY, ModelConfig, release_family
-from ..config_v1 import V1ModelConfig
-from ..config_v3 import V3ModelConfig
 from ..errors import EngineMismatchError, ModelDirError
+from ..models.v1.config import V1ModelConfig
+from ..models.v3.config import V3ModelConfig
 
 __all__ = [
     "MANIFEST_NAME",

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..config import HiFTConfig, ModelConfig
-from ..config_v1 import V1ModelConfig
 from ..errors import EngineMismatchError, InputError
-from . import graphs_v1, graphs_v3
+from ..models.v1 import graphs as graphs_v1
+from ..models.v1.config import V1ModelConfig
+from ..models.v3 import graphs as graphs_v3
 from .euler import STEP_GRAPHS, step_profiles
 from .graphs import GRAPHS, GraphSpec
 

@@ -15,11 +15,11 @@ from typing import Any, Final
 
 from ..config import release_family
 from ..errors import InputError, require
+from ..models.v1.verify import run_flow_v1, run_hift_v1, run_llm_v1
+from ..models.v3.verify import run_flow_v3, run_hift_v3, run_llm_v3
 from ..runtime.model import LoadedModel
 from .golden import Comparison, GoldenSet, compare
 from .stages import run_flow, run_hift, run_llm
-from .stages_v1 import run_flow_v1, run_hift_v1, run_llm_v1
-from .stages_v3 import run_flow_v3, run_hift_v3, run_llm_v3
 
 __all__ = ["load_backend", "run_verify", "compute_outputs", "compare_outputs", "format_table"]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from .config import YAML_BY_FAMILY, CFMConfig, EstimatorConfig, HiFTConfig, MelConfig, hift_fields
-from .errors import ModelDirError
-from .hyperyaml import Tagged, find_tagged, load_hyperyaml
+from ...config import YAML_BY_FAMILY, CFMConfig, EstimatorConfig, HiFTConfig, MelConfig, hift_fields
+from ...errors import ModelDirError
+from ...hyperyaml import Tagged, find_tagged, load_hyperyaml
 
 __all__ = [
     "V1EncoderConfig",

@@ -8,14 +8,14 @@ Where a v1 stage has exactly the v2 interface the v2 spec is reused under its v2
 
 New graphs: the text encoder (+ speaker projection), the flow encoder with the length regulator,
 and HiFT with the ``SineGen`` phases as an input. All randomness is an input or lives on the host
-(the v1 CFM start noise is fresh per call and is drawn by ``trt_cosy.stages.v1``).
+(the v1 CFM start noise is fresh per call and is drawn by ``trt_cosy.models.v1.stages``).
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from .graphs import FLOW_ESTIMATOR, LLM, GraphSpec, TensorSpec
+from ...runtime.graphs import FLOW_ESTIMATOR, LLM, GraphSpec, TensorSpec
 
 __all__ = ["V1_TEXT_ENCODER", "V1_LLM", "V1_FLOW_ENCODER", "V1_FLOW_ESTIMATOR", "V1_HIFT", "V1_GRAPHS"]
 
@@ -39,7 +39,7 @@ V1_LLM: Final = LLM
 # input_embedding(prompt ++ tokens) -> full-attention Conformer -> encoder_proj (``h``) ->
 # InterpolateRegulator: ``mu_in[f] = (1 - weight1[f]) · h[index0[f]] + weight1[f] · h[index1[f]]``
 # (the host computes the official piecewise linear interpolation indices, prompt / head / mid /
-# tail, see ``trt_cosy.stages.v1.regulator_indices``) -> conv stack -> ``mu``; plus the speaker
+# tail, see ``trt_cosy.models.v1.stages.regulator_indices``) -> conv stack -> ``mu``; plus the speaker
 # projection ``spks``.
 V1_FLOW_ENCODER: Final = GraphSpec(
     "v1_flow_encoder",

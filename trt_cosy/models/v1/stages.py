@@ -17,12 +17,12 @@ from typing import Final, Protocol
 
 import numpy as np
 
-from ..config_v1 import V1FlowConfig, V1LLMConfig, V1ModelConfig
-from ..errors import InputError, ModelDirError
-from ..runtime.base import Runner
-from .flow import solve_euler
-from .sampling import Sampler, log_softmax
-from .vocoder import fade_in_out
+from ...errors import InputError, ModelDirError
+from ...runtime.base import Runner
+from ...stages.flow import solve_euler
+from ...stages.sampling import Sampler, log_softmax
+from ...stages.vocoder import fade_in_out
+from .config import V1FlowConfig, V1LLMConfig, V1ModelConfig
 
 __all__ = [
     "interpolation_indices",

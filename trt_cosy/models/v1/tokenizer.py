@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-from ..errors import ModelDirError
+from ...errors import ModelDirError
 
 __all__ = [
     "WHISPER_LANGUAGES",

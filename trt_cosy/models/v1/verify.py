@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from ..runtime import graphs_v1
-from ..runtime.base import Runner
-from ..runtime.model import LoadedModel
-from ..stages.sampling import greedy_sample
-from ..stages.v1 import V1FlowOutput, V1FlowStage, V1LLMStage, V1StreamState, V1Synthesizer
-from .golden import GoldenSet
-from .recording import RecordingRunner
+from ...errors import InputError
+from ...runtime.base import Runner
+from ...runtime.model import LoadedModel
+from ...stages.sampling import greedy_sample
+from ...verify.golden import GoldenSet
+from ...verify.recording import RecordingRunner
+from . import graphs as graphs_v1
+from .stages import V1FlowOutput, V1FlowStage, V1LLMStage, V1StreamState, V1Synthesizer
 
 __all__ = ["run_llm_v1", "run_flow_v1", "run_hift_v1"]
 

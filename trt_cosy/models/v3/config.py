@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from .config import (
+from ...config import (
     QWEN_DIR,
     YAML_BY_FAMILY,
     CFMConfig,
@@ -31,8 +31,8 @@ from .config import (
     yaml_child,
     yaml_node,
 )
-from .errors import ModelDirError
-from .hyperyaml import Tagged, load_hyperyaml
+from ...errors import ModelDirError
+from ...hyperyaml import Tagged, load_hyperyaml
 
 __all__ = [
     "V3_SPEECH_SPECIALS",
@@ -138,7 +138,7 @@ class V3ModelConfig(ModelConfig):
     @property
     def real_eos_token(self) -> int:
         """The id v3 was trained to stop with (6562). ``llm.eos_token`` (6561) is what the official
-        ``sampling_ids`` masks before ``min_len``; see ``trt_cosy.stages.v3``."""
+        ``sampling_ids`` masks before ``min_len``; see ``trt_cosy.models.v3.stages``."""
         return self.llm.speech_token_size + V3_EOS_OFFSET
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from .graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, LLM, GraphSpec, TensorSpec
+from ...runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, LLM, GraphSpec, TensorSpec
 
 __all__ = ["FLOW_ENCODER_V3", "HIFT_V3", "HIFT_V3_STREAM", "GRAPHS_V3", "HIFT_STREAM_MIN_FRAMES"]
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config_v3 import MAX_SILENT_RUN, SILENT_TOKENS, CausalHiFTConfig
-from ..errors import InputError
-from ..runtime.base import Runner
-from ..runtime.graphs_v3 import HIFT_STREAM_MIN_FRAMES
-from ..runtime.model import LoadedModel
-from .sampling import log_softmax
+from ...errors import InputError
+from ...runtime.base import Runner
+from ...runtime.model import LoadedModel
+from ...stages.sampling import log_softmax
+from .config import MAX_SILENT_RUN, SILENT_TOKENS, CausalHiFTConfig
+from .graphs import HIFT_STREAM_MIN_FRAMES
 
 __all__ = [
     "LoadedModelV3",

@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime import graphs_v3
-from ..runtime.model import LoadedModel
-from ..stages.flow import FlowStage
-from ..stages.llm import LLMStage
-from ..stages.sampling import greedy_sample
-from ..stages.v3 import V3VocoderCache, V3VocoderStage, cached_step_outputs
-from .golden import GoldenSet
-from .recording import RecordingRunner
+from ...runtime.model import LoadedModel
+from ...stages.flow import FlowStage
+from ...stages.llm import LLMStage
+from ...stages.sampling import greedy_sample
+from ...verify.golden import GoldenSet
+from ...verify.recording import RecordingRunner
+from . import graphs as graphs_v3
+from .stages import V3VocoderCache, V3VocoderStage, cached_step_outputs
 
 __all__ = ["run_llm_v3", "run_flow_v3", "run_hift_v3"]
 

@@ -7,7 +7,7 @@ GroupNorm(1), Mish] and a 1×1 conv) → the CFM with the non-causal ``Condition
 up-sampling). Attribute names are the ``flow.pt`` keys.
 
 The interpolation sizes depend on the token count (head/mid/tail split), so the host computes the
-gather indices and weights (``trt_cosy.stages.v1.regulator_indices``) and the graph only gathers:
+gather indices and weights (``trt_cosy.models.v1.stages.regulator_indices``) and the graph only gathers:
 the exported graph has no data-dependent shapes. The CFM loop runs on the host around
 ``EstimatorGraphV1`` (the v2 estimator contract), with fresh noise per call drawn by the host.
 """
@@ -21,12 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...config import EstimatorConfig
-from ...config_v1 import V1FlowConfig
-from ...errors import ModelDirError
-from ..checkpoint import load_strict, read_state_dict
-from .flow_estimator import TransformerBlock, _TimeMLP, estimator_attention_bias, sinusoidal_embedding
-from .v1_llm import ConformerEncoder
+from ....config import EstimatorConfig
+from ....errors import ModelDirError
+from ....models.v1.config import V1FlowConfig
+from ...checkpoint import load_strict, read_state_dict
+from ...modules.flow_estimator import (
+    TransformerBlock,
+    _TimeMLP,
+    estimator_attention_bias,
+    sinusoidal_embedding,
+)
+from .llm import ConformerEncoder
 
 __all__ = [
     "InterpolateRegulator",

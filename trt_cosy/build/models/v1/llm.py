@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...config_v1 import V1EncoderConfig, V1LLMConfig
-from ..checkpoint import load_strict, read_state_dict
-from .flow_encoder import ConformerLayer, LinearEmbed, RelPositionAttention, rel_position_table
-from .qwen2 import causal_mask
+from ....models.v1.config import V1EncoderConfig, V1LLMConfig
+from ...checkpoint import load_strict, read_state_dict
+from ...modules.flow_encoder import ConformerLayer, LinearEmbed, RelPositionAttention, rel_position_table
+from ...modules.qwen2 import causal_mask
 
 __all__ = [
     "ConformerEncoder",

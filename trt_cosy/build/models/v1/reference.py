@@ -9,15 +9,15 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from ..config_v1 import V1ModelConfig, v1_config_from_release_dir
-from ..runtime import graphs_v1
-from ..runtime.model import LoadedModel
-from ..stages.v1 import regulator_indices
-from .export import GraphPlan
-from .modules.v1_flow import EstimatorGraphV1, FlowEncoderGraphV1, load_flow_v1
-from .modules.v1_hift import HiFTGraphV1, load_hift_v1
-from .modules.v1_llm import TextEncoderGraph, TransformerLMGraph, embedding_tables_v1, load_llm_v1
-from .torch_runner import TorchRunner
+from ....models.v1 import graphs as graphs_v1
+from ....models.v1.config import V1ModelConfig, v1_config_from_release_dir
+from ....models.v1.stages import regulator_indices
+from ....runtime.model import LoadedModel
+from ...export import GraphPlan
+from ...torch_runner import TorchRunner
+from .flow import EstimatorGraphV1, FlowEncoderGraphV1, load_flow_v1
+from .hift import HiFTGraphV1, load_hift_v1
+from .llm import TextEncoderGraph, TransformerLMGraph, embedding_tables_v1, load_llm_v1
 
 __all__ = ["load_torch_model_v1", "torch_graphs_v1", "export_plans_v1"]
 
@@ -44,7 +44,7 @@ def torch_graphs_v1(
 def load_torch_model_v1(model_dir: Path, threads: int | None = None) -> LoadedModel:
     """Load a CosyVoice-300M(-SFT/-Instruct) release into our torch modules (fp32, CPU).
 
-    ``flow_noise`` is empty: v1 draws fresh CFM noise per call (``trt_cosy.stages.v1.V1Draws``).
+    ``flow_noise`` is empty: v1 draws fresh CFM noise per call (``trt_cosy.models.v1.stages.V1Draws``).
     """
     if threads:
         torch.set_num_threads(threads)

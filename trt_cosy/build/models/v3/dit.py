@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config_v3 import DiTConfig
-from .flow_estimator import estimator_attention_bias, sinusoidal_embedding
+from ....models.v3.config import DiTConfig
+from ...modules.flow_estimator import estimator_attention_bias, sinusoidal_embedding
 
 __all__ = ["DiT", "DiTBlock", "rotary_tables", "apply_rotary"]
 

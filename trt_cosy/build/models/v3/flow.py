@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config_v3 import PreLookaheadConfig, V3FlowConfig
-from ..checkpoint import load_strict, read_state_dict
+from ....models.v3.config import PreLookaheadConfig, V3FlowConfig
+from ...checkpoint import load_strict, read_state_dict
+from ...modules.flow import EstimatorGraph
+from ...modules.flow_encoder import PreLookaheadLayer
 from .dit import DiT
-from .flow import EstimatorGraph
-from .flow_encoder import PreLookaheadLayer
 
 __all__ = ["CosyVoice3Flow", "V3PreLookaheadLayer", "V3FlowEncoderGraph", "EstimatorGraph", "load_flow_v3"]
 

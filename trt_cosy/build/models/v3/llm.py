@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from ...config import LLMConfig
-from ...config_v3 import V3_SOS_OFFSET, V3_TASK_OFFSET
-from ..checkpoint import load_strict, read_state_dict
-from .llm import LLMGraph
-from .qwen2 import Qwen2Encoder
+from ....config import LLMConfig
+from ....models.v3.config import V3_SOS_OFFSET, V3_TASK_OFFSET
+from ...checkpoint import load_strict, read_state_dict
+from ...modules.llm import LLMGraph
+from ...modules.qwen2 import Qwen2Encoder
 
 __all__ = ["CosyVoice3LM", "load_llm_v3", "embedding_tables_v3", "LLMGraph"]
 

@@ -23,14 +23,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config_v3 import V3ModelConfig, v3_config_from_release_dir
-from ..runtime import graphs_v3
-from ..runtime.model import LoadedModel
-from .modules.causal_hift import CausalHiFTGraph, load_causal_hift
-from .modules.v3_flow import EstimatorGraph, V3FlowEncoderGraph, load_flow_v3
-from .modules.v3_llm import LLMGraph, embedding_tables_v3, load_llm_v3
-from .noise import NOISE_FRAMES, NOISE_SEED, official_flow_noise
-from .torch_runner import TorchRunner
+from ....models.v3 import graphs as graphs_v3
+from ....models.v3.config import V3ModelConfig, v3_config_from_release_dir
+from ....runtime.model import LoadedModel
+from ...noise import NOISE_FRAMES, NOISE_SEED, official_flow_noise
+from ...torch_runner import TorchRunner
+from .causal_hift import CausalHiFTGraph, load_causal_hift
+from .flow import EstimatorGraph, V3FlowEncoderGraph, load_flow_v3
+from .llm import LLMGraph, embedding_tables_v3, load_llm_v3
 
 __all__ = ["load_torch_model_v3", "official_hift_noise"]
 
