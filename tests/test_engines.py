@@ -23,8 +23,8 @@ from trt_cosy.build import engines as build_module
 from trt_cosy.build.export import ExportResult, graph_export_plan
 from trt_cosy.build.noise import official_flow_noise
 from trt_cosy.build.reference import load_torch_model
-from trt_cosy.config import ModelConfig
 from trt_cosy.errors import EngineMismatchError, InputError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest, model_config_from_dict
@@ -65,7 +65,7 @@ def engines_copy(tiny, tmp_path) -> Path:
 
 
 def test_model_config_round_trips_through_json(v2_tiny_dir):
-    config = ModelConfig.from_release_dir(v2_tiny_dir)
+    config = read_release_config(v2_tiny_dir)
     again = model_config_from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config
     assert isinstance(again.hift.resblock_dilation_sizes[0], tuple) and again.flow.estimator.channels == (64,)

@@ -19,8 +19,9 @@ import pytest
 from test_tts import REF_TEXT, reference_wavs
 
 from trt_cosy import CosyVoice, EngineConfig, InputError, SynthesisConfig, Voice, families
-from trt_cosy.config import QWEN_DIR, ModelConfig
+from trt_cosy.config import QWEN_DIR
 from trt_cosy.frontend.text import TextNormalizer
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.models.v1.stages import stream_token_chunks
 from trt_cosy.pipeline_families import V1Request, V1Schedule, V3Request
 from trt_cosy.runtime.manifest import hash_checkpoint, model_config_from_dict
@@ -298,7 +299,7 @@ def test_instruct_text_markers(family, instruct, expected):
 def test_model_config_and_checkpoint_hashes_follow_the_family(tmp_path_factory):
     for family in ("v1", "v3"):
         release = family_release(tmp_path_factory, family)
-        config = ModelConfig.from_release_dir(release)
+        config = read_release_config(release)
         again = model_config_from_dict(json.loads(json.dumps(config.to_dict())))
         assert type(again) is type(config) and again == config
         names = list(hash_checkpoint(release))

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import EngineMismatchError, InputError, MissingDependencyError, TrtCosyError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.models.v1 import graphs as graphs_v1
 from trt_cosy.models.v3 import graphs as graphs_v3
 from trt_cosy.runtime.cuda import gpu_unavailable_reason
@@ -50,7 +51,7 @@ BOUNDS = {
 
 @pytest.fixture(scope="module")
 def configs() -> dict[str, ModelConfig]:
-    return {family: ModelConfig.from_release_dir(path) for family, path in RELEASES.items()}
+    return {family: read_release_config(path) for family, path in RELEASES.items()}
 
 
 # -- profiles (fast) --------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ class CausalHiFTConfig(HiFTConfig):
 
 @dataclass(frozen=True)
 class V3ModelConfig(ModelConfig):
-    """``ModelConfig`` of a CosyVoice3 release (``family == "v3"``)."""
+    """``ModelConfig`` of a CosyVoice3 release (its ``family`` is ``"v3"``)."""
 
     flow: V3FlowConfig  # type: ignore[assignment]
     hift: CausalHiFTConfig  # type: ignore[assignment]

@@ -1,8 +1,8 @@
-"""``make-test-model`` writers for CosyVoice 1 (300M-SFT layout) and CosyVoice3 release directories.
+"""The ``make-test-model`` writer of a CosyVoice 1 release directory (300M-SFT layout).
 
 Checkpoint key sets and shapes are those of the official ``state_dict()`` (checked against the
 golden tiny checkpoints in tests/test_make_test_model.py); the modules come from
-``build.modules`` built from the config the written yaml gives, so yaml and weights always agree.
+``build/models/v1`` built from the config the written yaml gives, so yaml and weights always agree.
 """
 
 from __future__ import annotations
@@ -14,26 +14,20 @@ from typing import Final
 import numpy as np
 import torch
 
-from ..models.v1.config import v1_config_from_release_dir
-from ..models.v1.tokenizer import V1_TOKENIZER_FILE, whisper_specials
-from ..models.v3.config import v3_config_from_release_dir
-from .models.v1.flow import MaskedDiffWithXvecV1
-from .models.v1.hift import build_hift_v1
-from .models.v1.llm import TransformerLMV1
-from .models.v1.yaml_template import V1_FULL_SIZES, V1_TINY_SIZES, render_cosyvoice_yaml
-from .models.v3.causal_hift import CausalHiFTGenerator
-from .models.v3.flow import CosyVoice3Flow
-from .models.v3.llm import CosyVoice3LM
-from .models.v3.yaml_template import V3_FULL_SIZES, V3_TINY_SIZES, render_cosyvoice3_yaml
-from .standin_onnx import (
+from ....models.v1.config import v1_config_from_release_dir
+from ....models.v1.tokenizer import V1_TOKENIZER_FILE, whisper_specials
+from ...standin_onnx import (
     write_standin_campplus,
-    write_standin_speech_tokenizer,
     write_standin_speech_tokenizer_v1,
 )
-from .testmodel_parts import write_checkpoints, write_qwen_dir
-from .tiktoken_writer import write_test_ranks
+from ...testmodel_parts import write_checkpoints
+from ...tiktoken_writer import write_test_ranks
+from .flow import MaskedDiffWithXvecV1
+from .hift import build_hift_v1
+from .llm import TransformerLMV1
+from .yaml_template import V1_FULL_SIZES, V1_TINY_SIZES, render_cosyvoice_yaml
 
-__all__ = ["write_release_v1", "write_release_v3", "PRESET_SPEAKERS"]
+__all__ = ["write_release_v1", "PRESET_SPEAKERS"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -71,24 +65,3 @@ def _write_spk2info(path: Path, seed: int) -> None:
         name: {"embedding": torch.randn(1, _SPEAKER_DIM, generator=generator)} for name in PRESET_SPEAKERS
     }
     torch.save(speakers, path)
-
-
-def write_release_v3(root: Path, size: str, seed: int) -> None:
-    """A Fun-CosyVoice3-0.5B-style directory in ``root``."""
-    sizes = V3_TINY_SIZES if size == "tiny" else V3_FULL_SIZES
-    (root / "cosyvoice3.yaml").write_text(render_cosyvoice3_yaml(sizes, size), encoding="utf-8")
-    write_qwen_dir(root, size, family="v3")
-    config = v3_config_from_release_dir(root)
-    write_checkpoints(
-        root,
-        seed,
-        lambda: CosyVoice3LM(config.llm),
-        lambda: CosyVoice3Flow(config.flow),
-        lambda: CausalHiFTGenerator(config.hift),
-        tied_llm=True,
-    )
-    rng = np.random.default_rng(seed)
-    write_standin_campplus(root / "campplus.onnx", rng)
-    write_standin_speech_tokenizer(
-        root / "speech_tokenizer_v3.onnx", rng, graph_name="speech_tokenizer_v3_standin"
-    )
