@@ -83,7 +83,7 @@ def test_config_v3_numbers():
     assert isinstance(config, V3ModelConfig) and config.family == "v3"
     assert config.llm.speech_vocab_size == 6761 and config.llm.stop_tokens == tuple(range(6561, 6761))
     assert (config.sos_token, config.real_eos_token, config.task_token) == (6561, 6562, 6563)
-    assert config.llm.eos_token == 6561  # the id the official ignore_eos masks (see stages.v3)
+    assert config.llm.eos_token == 6561  # the id the official ignore_eos masks (see models.v3.stages)
     dit = config.flow.estimator
     assert (dit.dim, dit.depth, dit.heads, dit.dim_head, dit.in_channels) == (64, 2, 4, 16, 320)
     assert config.flow.encoder.channels == 64 and config.flow.encoder.pre_lookahead_len == 3

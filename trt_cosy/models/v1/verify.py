@@ -30,7 +30,7 @@ _SFT_RUN = "sft"  # the run that uses the preset-speaker embedding (in_sft_spk_e
 
 
 class _GoldenDraws:
-    """``stages.v1.V1Draws`` replaying the official draws recorded under one key prefix."""
+    """``models.v1.stages.V1Draws`` replaying the official draws recorded under one key prefix."""
 
     def __init__(self, golden: GoldenSet, flow_prefix: str, hift_prefix: str):
         self.golden = golden

@@ -3,7 +3,7 @@
 v3 draws nothing at inference: the fixed CFM noise (``flow_rand_noise``) and the causal HiFT's
 uniform NSF buffer (``hift_sine_waves``, float16 and exact) are injected. The LLM stage and the
 flow stage are the CosyVoice2 ones on the v3 graphs; the vocoder re-runs HiFT on the whole mel so
-far on every chunk (``stages.v3.V3VocoderStage``), so the scenario waveforms are checked through
+far on every chunk (``models.v3.stages.V3VocoderStage``), so the scenario waveforms are checked through
 that bookkeeping, and each official HiFT call is also checked alone on the golden mel.
 """
 

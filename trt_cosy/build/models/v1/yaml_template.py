@@ -1,6 +1,6 @@
 """The ``cosyvoice.yaml`` (CosyVoice-300M family) that ``trt-cosy make-test-model --family v1`` writes.
 
-Same tags, keys and nesting as the released file, so HyperPyYAML and ``config_v1`` both read it;
+Same tags, keys and nesting as the released file, so HyperPyYAML and ``models.v1.config`` both read it;
 the widths are parameters so tiny and full-size test models share one template. Only the sections
 inference reads are written (model classes, tokenizer, ``feat_extractor``).
 """

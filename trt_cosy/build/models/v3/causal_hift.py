@@ -208,7 +208,7 @@ class CausalHiFTGenerator(nn.Module):
     def forward(
         self, mel: torch.Tensor, sine_noise: torch.Tensor, finalize: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mel [B, 80, F], sine_noise [B, >= 480F, 9] -> (wav, source, f0); see ``graphs_v3`` for lengths."""
+        """mel [B, 80, F], sine_noise [B, >= 480F, 9] -> (wav, source, f0); see ``models.v3.graphs`` for lengths."""
         predictor_dtype = self.f0_predictor.classifier.weight.dtype
         f0 = self.f0_predictor(mel.to(predictor_dtype), finalize).to(mel.dtype)  # f0: [B, F']
         samples = f0.shape[1] * self.config.samples_per_frame

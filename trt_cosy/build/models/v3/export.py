@@ -1,4 +1,4 @@
-"""ONNX export plans of the CosyVoice3 graphs (``runtime.graphs_v3``), on the generic ``export_graph``.
+"""ONNX export plans of the CosyVoice3 graphs (``models.v3.graphs``), on the generic ``export_graph``.
 
 The LLM and the two estimator graphs have the CosyVoice2 contracts, so their CosyVoice2 plans are
 reused (the DiT is traced like the U-Net). New here: the v3 flow encoder (no ``streaming`` input)

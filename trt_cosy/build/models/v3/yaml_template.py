@@ -1,6 +1,6 @@
 """The ``cosyvoice3.yaml`` that ``trt-cosy make-test-model --family v3`` writes.
 
-Same tags, keys and nesting as the released Fun-CosyVoice3 file, so HyperPyYAML and ``config_v3``
+Same tags, keys and nesting as the released Fun-CosyVoice3 file, so HyperPyYAML and ``models.v3.config``
 both read it; the widths are parameters so tiny and full-size test models share one template.
 Only the sections inference reads are written (model classes, tokenizer, ``feat_extractor``).
 """
