@@ -1,6 +1,6 @@
 """What a model family is to ``trt-cosy build``: the torch side of a ``Family`` (``BuildFamily``).
 
-One subclass per family in ``trt_cosy/build/models/<name>/family.py`` holds the torch reference
+Each family has one subclass, ``trt_cosy/build/models/<name>/family.py``, holding the torch reference
 loader, the export plans and exporter of the family's graph set, the host data only it writes and
 its random test-model writer; ``trt_cosy.build.models.registry`` maps a release directory or a
 model config to it. Torch is imported only under ``trt_cosy/build/``.
