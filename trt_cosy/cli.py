@@ -10,6 +10,7 @@ import click
 
 from . import __version__
 from .errors import TrtCosyError
+from .serving.cli import ray_serve_options, triton_repo
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -372,6 +373,7 @@ def download(name: str, source: str, target: Path | None) -> None:
               help="Requests waiting for a slot; more are answered 429.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
               show_default=True, help="Per-request time limit, seconds.")
+@ray_serve_options
 def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads: int | None,
           max_concurrent: int, max_queue: int, timeout_s: float) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
@@ -418,6 +420,9 @@ def bench(engines: Path, tokens: int, text: str | None, stream: bool, runs: int,
     click.echo(format_bench(report))
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+main.add_command(triton_repo)
 
 
 if __name__ == "__main__":  # pragma: no cover
