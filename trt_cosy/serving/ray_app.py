@@ -96,12 +96,12 @@ class TrtCosyReplica:
 
         settings = dict(self.settings)
         settings.setdefault("voices_dir", cache_root() / "voices" / self.tts.model_id)
-        self.app = create_app(self.tts, ServerSettings(**settings))
-        return _ReplicaHeader(self.app, self.name)
+        self.server_app = create_app(self.tts, ServerSettings(**settings))
+        return _ReplicaHeader(self.server_app, self.name)
 
     def check_health(self) -> None:
         """Ray's health check: a replica whose warm-up failed is restarted."""
-        state = getattr(getattr(self, "app", None), "state", None)
+        state = getattr(getattr(self, "server_app", None), "state", None)
         error = getattr(getattr(state, "server", None), "warmup_error", None)
         if error:
             raise RuntimeError(f"warm-up failed: {error}")
