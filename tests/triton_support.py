@@ -36,7 +36,10 @@ def backend_dir(work: Path) -> tuple[Path, Path, dict[str, str]]:
         return binary, binary.parent.parent / "backends", {}
     root = _pytriton_root()
     if root is None:
-        pytest.skip("no tritonserver: install nvidia-pytriton (ships Triton 2.51) or set TRT_COSY_TRITONSERVER")
+        pytest.skip(
+            "no tritonserver: `pip install --no-deps nvidia-pytriton==0.7.0` (ships Triton 2.51) or set "
+            "TRT_COSY_TRITONSERVER"
+        )
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():

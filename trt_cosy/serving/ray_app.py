@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -182,6 +183,7 @@ def _node_ip(host: str) -> str:
 
 def run_ray_serve(options: RayServeOptions, progress: Callable[[str], None] = print) -> None:
     """``trt-cosy serve --ray``: deploy and serve until interrupted, then shut Serve down."""
+    import ray
     from ray import serve
 
     start_ray(options)
@@ -189,10 +191,18 @@ def run_ray_serve(options: RayServeOptions, progress: Callable[[str], None] = pr
     progress(f"deploying {scale} replica(s) of {options.engines} with Ray Serve...")
     serve.run(deployment_for(options), name=APP_NAME, route_prefix="/")
     progress(f"serving on http://{options.host}:{options.port} (Ray Serve; Ctrl-C stops)")
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `docker stop`, systemd: shut down like Ctrl-C
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         progress("stopping")
     finally:
+        signal.signal(signal.SIGTERM, previous)
         serve.shutdown()
+        if not options.ray_address:
+            ray.shutdown()  # the local Ray this command started
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
