@@ -7,7 +7,9 @@ thread per graph on both sides). The server binary comes from the nvidia-pytrito
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 from pathlib import Path
 
@@ -104,7 +106,7 @@ def triton(engines, tts, wavs, tmp_path_factory, request):
     write_triton_repo(engines, work / "repo", TritonRepoOptions(model_name=STREAMED, instances=2, **common))
     write_triton_repo(engines, work / "repo", TritonRepoOptions(model_name=SINGLE, decoupled=False, **common))
     package_root = str(Path(__file__).resolve().parent.parent)  # this checkout's trt_cosy first
-    site = [path for path in __import__("sys").path if path.endswith("site-packages")]
+    site = [path for path in sys.path if path.endswith("site-packages")]
     server = TritonServer(work / "repo", work, [package_root, *site]).start()
     yield server, voices
     server.stop()
@@ -292,3 +294,19 @@ def _http_inputs(text: str, stream: bool):
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
+
+
+@pytest.mark.slow
+def test_a_stub_that_corrupts_numpy_2_tensors_is_refused_at_load(engines, tmp_path):
+    pytest.importorskip("tritonclient.http", reason="tritonclient[http] is needed (pip install 'trt-cosy[triton]')")
+    from triton_support import TritonServer, _pytriton_root
+
+    if int(np.__version__.split(".")[0]) < 2:
+        pytest.skip(f"numpy {np.__version__} is 1.x: the stub reads it correctly, nothing to refuse")
+    if _pytriton_root() is None or "TRT_COSY_TRITONSERVER" in os.environ:
+        pytest.skip("checks the stub of nvidia-pytriton 0.7.0 (Triton 2.51, built for numpy 1.x)")
+    write_triton_repo(engines, tmp_path / "repo", TritonRepoOptions(threads=1))  # no numpy<2 on its path
+    package_root = str(Path(__file__).resolve().parent.parent)
+    site = [path for path in sys.path if path.endswith("site-packages")]
+    log = TritonServer(tmp_path / "repo", tmp_path, [package_root, *site]).run_until_exit()
+    assert "this Triton Python-backend stub corrupts numpy" in log, log

@@ -93,9 +93,7 @@ class TritonServer:
         self.python_path = python_path
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 180.0) -> TritonServer:
-        import tritonclient.http as http
-
+    def _launch(self) -> None:
         env = {**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(self.python_path)}
         command = [
             str(self.binary), f"--model-repository={self.repo}", f"--backend-directory={self.backends}",
@@ -103,11 +101,26 @@ class TritonServer:
             f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
             "--exit-timeout-secs=5",
         ]
-        log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the server's lifetime
+        with open(self.log_path, "wb") as log:
+            try:
+                self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            except OSError as exc:
+                pytest.skip(f"tritonserver cannot start here: {exc}")
+
+    def run_until_exit(self, timeout_s: float = 180.0) -> str:
+        """Start a server expected to stop by itself (a model that refuses to load); returns its log."""
+        self._launch()
         try:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        except OSError as exc:
-            pytest.skip(f"tritonserver cannot start here: {exc}")
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"tritonserver kept running:\n{self.log_tail()}")
+        return self.log_tail(chars=1 << 20)
+
+    def start(self, timeout_s: float = 180.0) -> TritonServer:
+        import tritonclient.http as http
+
+        self._launch()
         client = http.InferenceServerClient(self.http_url)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -27,15 +27,23 @@ _LOGGER = logging.getLogger(__name__)
 
 
 def check_numpy_abi() -> None:
-    """Refuse a numpy the stub's tensor conversion was not built for (the stub of Triton 2.51 reads
-    numpy 2 arrays as garbage: input bytes come out as 0x02 0x02 ...), instead of serving noise."""
+    """Refuse a numpy 2 that the stub cannot read: stubs built with pybind11 < 2.12 (Triton 2.51 and
+    earlier; fixed in triton-inference-server/python_backend#384) read numpy 2 input tensors as garbage
+    (every element a copy of the first, BYTES inputs crash the stub), which would serve noise."""
+    if int(np.__version__.split(".")[0]) < 2:
+        return
     probe = np.arange(8, dtype=np.float32)  # probe: [8]
-    back = pb_utils.Tensor("probe", probe).as_numpy()
+    try:
+        # from_dlpack builds the array on the C++ side, as request inputs are built.
+        back = pb_utils.Tensor.from_dlpack("probe", probe).as_numpy()
+    except Exception as exc:  # noqa: BLE001 - a stub without this path: nothing to conclude
+        _LOGGER.warning("could not check the stub's numpy support (%s); numpy %s", exc, np.__version__)
+        return
     if back.shape != probe.shape or not np.array_equal(back, probe):
         raise TrtCosyError(
-            f"this Triton Python-backend stub corrupts numpy {np.__version__} arrays (it was built for "
-            "numpy 1.x). Put numpy<2 first on the stub's path: `pip install --target DIR 'numpy<2'` and "
-            "`trt-cosy triton-repo --python-path DIR ...`, or use a Triton release whose stub supports numpy 2."
+            f"this Triton Python-backend stub corrupts numpy {np.__version__} tensors (it was built for numpy "
+            "1.x). Put numpy<2 first on the stub's path (`pip install --target DIR 'numpy<2'` and "
+            "`trt-cosy triton-repo --python-path DIR ...`) or use a Triton release after 2.51."
         )
 
 
