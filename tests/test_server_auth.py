@@ -18,6 +18,7 @@ pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
 from _support import tiny_release  # noqa: E402
+from fastapi import WebSocket  # noqa: E402  (module level: FastAPI resolves the string annotations here)
 from test_server import (  # noqa: E402
     RecordingTTS,
     assert_error,
@@ -259,3 +260,25 @@ def test_every_request_gets_one_access_line(scripted, voices_dir, caplog):
     assert int(parsed[0].group(4)) == len(streamed.content) == 3 * 2400 * 2  # counted to the last byte
     assert int(parsed[2].group(4)) == len(bad.content) and bad.json()["error"]["code"] == "invalid_request"
     assert all(float(match.group(5)) < 30 for match in parsed)
+
+
+def test_websockets_need_the_key_too(scripted, voices_dir):
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    from trt_cosy.server import create_app
+
+    app = create_app(scripted, ServerSettings(voices_dir=voices_dir, api_key=KEY, warmup=False))
+
+    @app.websocket("/test-socket")  # the app has no websocket route yet; a future one is guarded as well
+    async def echo(socket: WebSocket) -> None:
+        await socket.accept()
+        await socket.send_text("in")
+        await socket.close()
+
+    with TestClient(app) as client:
+        with pytest.raises(WebSocketDisconnect) as refused, client.websocket_connect("/test-socket"):
+            pass
+        assert refused.value.code == 1008 and "API key" in refused.value.reason
+        with client.websocket_connect("/test-socket", headers=WITH_KEY) as socket:
+            assert socket.receive_text() == "in"
