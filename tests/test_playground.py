@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ sync_api = pytest.importorskip(
 )
 
 from _support import tiny_engines  # noqa: E402
-from test_server import SAMPLE_RATE, running_server, wait_ready  # noqa: E402
+from test_server import SAMPLE_RATE, RecordingTTS, running_server, wait_ready  # noqa: E402
 from test_tts import REF_TEXT, reference_wavs  # noqa: E402
 
 from trt_cosy import CosyVoice, EngineConfig  # noqa: E402
@@ -163,3 +164,31 @@ def test_playground_uploads_a_voice_streams_speech_and_shows_api_errors(browser,
     # Nothing but this server (and the page's own blob: audio) was asked for anything.
     assert requests and all(request.startswith((url + "/", "blob:")) for request in requests), requests
     assert not [line for line in console if "Content Security Policy" in line], console
+
+
+@pytest.mark.slow
+def test_playground_stop_ends_the_stream_and_the_synthesis(browser, ort_tts, wavs, tmp_path):
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    ort_tts.voice_from_wav(wavs["ref"], REF_TEXT).save(voices / "alice.npz")
+    slow = RecordingTTS(ort_tts, scripted_chunks=50, delay_s=0.2)  # a 10 s stream of 0.1 s chunks
+    with running_server(slow, voices, warmup=False) as url:
+        wait_ready(url)
+        page = browser.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(url + "/")
+        page.wait_for_function("() => document.getElementById('voice').value === 'alice'")
+        page.click("#speak")
+        page.wait_for_function("() => window.playground.chunks >= 1")
+        page.click("#stop")
+        page.wait_for_function("() => document.getElementById('status').textContent === 'stopped'")
+        record = slow.requests[-1]
+        deadline = time.monotonic() + 30
+        while not record["closed"]:  # the server notices the closed stream at its next chunk
+            assert time.monotonic() < deadline, record
+            time.sleep(0.05)
+        assert not record["finished"] and len(record["times"]) < 50, len(record["times"])
+        stopped = page.evaluate("() => ({...window.playground})")
+        assert stopped["done"] is False and stopped["error"] is None and stopped["chunks"] >= 1, stopped
+        assert page.is_enabled("#speak") and not page.is_enabled("#stop")
+        page.close()
