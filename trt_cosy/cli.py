@@ -362,7 +362,7 @@ def download(name: str, source: str, target: Path | None) -> None:
 @click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Engines directory from `trt-cosy build`.")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind. Loopback by default: the server has no authentication.")
+              help="Address to bind. Loopback by default; anything else should have --api-key.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of stored voices (default: the trt-cosy cache, voices/<model id>).")
@@ -373,13 +373,15 @@ def download(name: str, source: str, target: Path | None) -> None:
               help="Requests waiting for a slot; more are answered 429.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
               show_default=True, help="Per-request time limit, seconds.")
+@click.option("--api-key", envvar="TRT_COSY_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health and the playground page.")
 @ray_serve_options
 def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads: int | None,
-          max_concurrent: int, max_queue: int, timeout_s: float) -> None:
+          max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from .errors import require
 
-    for module in ("fastapi", "uvicorn", "python_multipart"):
+    for module in ("fastapi", "uvicorn", "python_multipart", "prometheus_client"):
         require(module, "serve")
     from .download import cache_root
     from .server import ServerSettings, run_server
@@ -389,9 +391,10 @@ def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads:
     tts = CosyVoice.load(engines, config=EngineConfig(threads=threads))
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
-        max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s,
+        max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,
     )
     click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
+    click.echo(f"playground: http://{host}:{port}/" + ("" if api_key is None else " (API key required)"), err=True)
     run_server(tts, settings)
 
 

@@ -72,7 +72,8 @@ def ray_serve_options(serve_command):
             raise click.UsageError("--ray needs --engines (an engines directory every replica loads).")
         from ..errors import require
 
-        require("ray", "ray")
+        for module in ("ray", "fastapi", "uvicorn", "python_multipart", "prometheus_client"):
+            require(module, "ray")
         from .ray_app import RayServeOptions, run_ray_serve
 
         run_ray_serve(RayServeOptions(
@@ -80,6 +81,7 @@ def ray_serve_options(serve_command):
             port=options["port"], threads=options.get("threads"), max_concurrent=options["max_concurrent"],
             max_queue=options["max_queue"], request_timeout_s=options["timeout_s"], replicas=replicas or 1,
             autoscale=_autoscale(autoscale), ray_address=ray_address,
+            settings={"api_key": options["api_key"]} if options.get("api_key") else {},
         ), progress=lambda message: click.echo(message, err=True))
 
     for option in reversed((
