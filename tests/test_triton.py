@@ -2,7 +2,9 @@
 ``tritonclient`` (gRPC streaming, HTTP infer) and Triton's HTTP generate endpoint, on the tiny engines.
 
 Results must equal ``CosyVoice.synthesize`` in this process bit for bit (same seed, same voice, one
-thread per graph on both sides). The server binary comes from the nvidia-pytriton wheel (Triton 2.51).
+thread per graph on both sides). The server binary comes from the nvidia-pytriton wheel (Triton 2.51), or
+$TRT_COSY_TRITONSERVER. That stub needs numpy<2: with numpy 2 here, pip installs numpy<2 once into pytest's
+cache (.pytest_cache/d/trt-cosy-triton) and the repository puts it first on the stub's path.
 """
 
 from __future__ import annotations
