@@ -11,8 +11,11 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
+import onnxruntime as ort
 from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 
