@@ -166,6 +166,23 @@ def test_say_model_dir_builds_engines_into_the_cache(stub_render, wavs, tmp_path
     assert rate == 24000 and audio.shape == (2400,)
 
 
+@pytest.fixture
+def hubs_answer(monkeypatch):
+    """The download sources' hosts count as reachable (the hubs themselves are faked by each test)."""
+    import trt_cosy.download as download_module
+
+    monkeypatch.setattr(download_module, "_probe", lambda source: None)
+
+
+def _fake_modelscope(monkeypatch, snapshot_download) -> None:
+    """``import modelscope`` gives a module whose snapshot_download is the given function."""
+    import types
+
+    module = types.ModuleType("modelscope")
+    module.snapshot_download = snapshot_download
+    monkeypatch.setitem(sys.modules, "modelscope", module)
+
+
 def _fake_hub(release: Path, calls: list):
     def snapshot_download(repo_id, local_dir, allow_patterns=None, **kwargs):
         calls.append((repo_id, tuple(allow_patterns or ())))
@@ -176,7 +193,7 @@ def _fake_hub(release: Path, calls: list):
 
 
 def test_say_without_a_model_downloads_builds_and_speaks(
-    stub_render, wavs, tmp_path, monkeypatch, tmp_path_factory, v2_tiny_dir
+    stub_render, wavs, tmp_path, monkeypatch, tmp_path_factory, v2_tiny_dir, hubs_answer
 ):
     import huggingface_hub
 
@@ -202,7 +219,7 @@ def test_say_without_a_model_downloads_builds_and_speaks(
     assert str(release) in result.output and len(calls) == 1
 
 
-def test_no_network_gives_a_clear_message_and_no_file(wavs, tmp_path, monkeypatch):
+def test_no_network_gives_a_clear_message_and_no_file(wavs, tmp_path, monkeypatch, hubs_answer):
     import huggingface_hub
 
     def offline(*args, **kwargs):
@@ -210,14 +227,19 @@ def test_no_network_gives_a_clear_message_and_no_file(wavs, tmp_path, monkeypatc
 
     monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    _fake_modelscope(monkeypatch, offline)
     result = _invoke("download", "--dir", tmp_path / "release")
     assert result.exit_code == 2, result.output
     assert "Network is unreachable" in result.output and "--model-dir" in result.output
-    assert "git clone https://huggingface.co/FunAudioLLM/CosyVoice2-0.5B" in result.output
+    assert "could not reach huggingface (Network is unreachable); trying modelscope" in result.output
+    assert "git lfs install && git clone https://huggingface.co/FunAudioLLM/CosyVoice2-0.5B" in result.output
+    assert "trt-cosy make-test-model --out models/tiny" in result.output  # how to go on offline
+    assert not (tmp_path / "release").exists()  # the folder it made is removed again
     out = tmp_path / "out.wav"
     result = _invoke("say", "Hello.", "--ref", wavs["ref"], "-o", out)
     assert result.exit_code == 2 and "--model-dir" in result.output, result.output
     assert not out.exists()
+    assert not (tmp_path / "cache" / "models" / "CosyVoice2-0.5B").exists()
 
 
 def test_download_options_are_checked(tmp_path, monkeypatch):
@@ -327,7 +349,8 @@ def test_say_stream_writes_progressively_with_progress_and_plays(stub_render, wa
     )
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
-    assert "chunk 0: 0.10 s (first audio" in result.output and "RTF" in result.output
+    assert "segment 1/1, chunk 1: 0.10 s of audio so far (first audio" in result.output, result.output
+    assert "RTF" in result.output
     audio, rate = soundfile.read(out, dtype="float32")
     assert rate == 24000 and audio.shape == (2400,)
     heard = np.frombuffer(played.read_bytes(), dtype="<f4")
@@ -354,5 +377,5 @@ def test_say_stream_error_mid_request_leaves_no_file(injected, wavs, tmp_path, m
     text = "This sentence is about the weather and the sea and the wind today. " * 6
     result = _invoke("say", text, "--engines", tmp_path, "--ref", wavs["ref"], "-o", out, "--stream")
     assert result.exit_code == 2 and "simulated failure" in result.output, result.output
-    assert "chunk 0:" in result.output
+    assert ", chunk 1: " in result.output
     assert list(tmp_path.iterdir()) == []

@@ -146,6 +146,13 @@ class CosyVoice:
         )
         return cls(model, tokenizer, builder, normalizer, config, speakers)
 
+    def __repr__(self) -> str:
+        return (
+            f"CosyVoice(model_id={self.model_id!r}, family={self.family!r}, "
+            f"backend={getattr(self.model, 'backend', '?')!r}, sample_rate={self.sample_rate}, "
+            f"speakers={len(self.speakers)})"
+        )
+
     @property
     def sample_rate(self) -> int:
         """Output sample rate in Hz (24000 for CosyVoice2/3, 22050 for CosyVoice 1)."""
