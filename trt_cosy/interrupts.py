@@ -82,7 +82,7 @@ def run_interruptible(
     the signal's exit status (``exit_status``) without waiting for it. ``on_wait`` is called by the
     waiting thread every 50 ms (a progress heartbeat).
     """
-    stop = threading.Event()
+    stop, done = threading.Event(), threading.Event()
     outcome: dict[str, object] = {}
 
     def body() -> None:
@@ -90,18 +90,19 @@ def run_interruptible(
             outcome["value"] = work(stop)
         except BaseException as exc:  # handed to the waiting thread
             outcome["error"] = exc
+        finally:
+            done.set()
 
-    worker = threading.Thread(target=body, name=name, daemon=True)
-    worker.start()
+    # Waits on an Event, never Thread.join: a join interrupted by a signal marks the thread as stopped
+    # while it still runs (CPython before 3.13), and the interpreter then exits under its feet.
+    threading.Thread(target=body, name=name, daemon=True).start()
     try:
-        while worker.is_alive():
-            worker.join(_POLL_S)
-            if on_wait is not None and worker.is_alive():
+        while not done.wait(_POLL_S):
+            if on_wait is not None:
                 on_wait()
     except KeyboardInterrupt as exc:
         stop.set()
-        worker.join(grace_s)
-        if worker.is_alive():
+        if not done.wait(grace_s):
             _LOGGER.debug("work still running %.1f s after the interrupt; abandoning it", grace_s)
             try:
                 on_abandon()
