@@ -117,6 +117,20 @@ def _probe(source: str) -> None:
         raise _Unreachable(f"cannot reach {host}:{port}: {exc}") from exc
 
 
+def _check_client(source: str) -> None:
+    """Raise MissingDependencyError when ``source``'s client is not installed, without importing it
+    (``import modelscope`` alone takes seconds, and it waits on the network when there is none)."""
+    import importlib.util
+
+    module = _CLIENTS[source]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        found = False
+    if not found:
+        require(module, "download")  # raises, naming the extra (or imports what find_spec missed)
+
+
 def _is_network_error(exc: BaseException) -> bool:
     """True for the failures of an unreachable hub (each client has its own classes for them)."""
     names = {cls.__name__ for cls in type(exc).__mro__}
@@ -166,7 +180,7 @@ def download_model(
         for index, current in enumerate(sources):
             current_repo = _repo_id(name, current)
             try:
-                require(_CLIENTS[current], "download")  # a missing client is said before any network wait
+                _check_client(current)  # a missing client is said before any network wait
                 _probe(current)
                 target.mkdir(parents=True, exist_ok=True)
                 _fetch(current_repo, current, target)
