@@ -68,6 +68,7 @@ def test_readme_install_extras_exist_and_test_extra_covers_the_suite():
     assert "trt-cosy say" in _readme_command(1)
 
 
+@pytest.mark.slow
 def test_every_test_file_collects(tmp_path):
     """Collection never fails on an import: a file that needs an absent extra skips with the reason."""
     result = subprocess.run(
