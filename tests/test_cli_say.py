@@ -195,7 +195,7 @@ def _fake_hub(release: Path, calls: list):
 def test_say_without_a_model_downloads_builds_and_speaks(
     stub_render, wavs, tmp_path, monkeypatch, tmp_path_factory, v2_tiny_dir, hubs_answer
 ):
-    import huggingface_hub
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the [download] extra (huggingface_hub)")
 
     import trt_cosy.build.engines as build_module
 
@@ -220,7 +220,7 @@ def test_say_without_a_model_downloads_builds_and_speaks(
 
 
 def test_no_network_gives_a_clear_message_and_no_file(wavs, tmp_path, monkeypatch, hubs_answer):
-    import huggingface_hub
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the [download] extra (huggingface_hub)")
 
     def offline(*args, **kwargs):
         raise ConnectionError("Network is unreachable")
@@ -532,7 +532,7 @@ def test_download_falls_back_to_the_other_source_when_the_first_is_unreachable(
 
 
 def test_download_other_errors_do_not_fall_back_and_a_repo_id_has_one_source(tmp_path, monkeypatch, hubs_answer):
-    import huggingface_hub
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the [download] extra (huggingface_hub)")
 
     tried = []
 

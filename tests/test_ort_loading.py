@@ -192,6 +192,7 @@ def test_shared_arena_engines_match_private_sessions(tiny_engines):
 
 @pytest.mark.slow
 def test_server_warm_up_creates_the_deferred_streaming_session(tiny_engines):
+    pytest.importorskip("fastapi", reason="the server's warm-up needs the [serve] extra (fastapi)")
     from trt_cosy.server.app import warm_up
     from trt_cosy.tts import CosyVoice
 
