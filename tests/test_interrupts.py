@@ -59,7 +59,7 @@ def test_work_stuck_in_native_code_is_abandoned_within_the_grace_period(tmp_path
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert time.monotonic() - started < 10, "the process waited for the stuck work"
     assert result.returncode == 143, result.stderr
-    assert marker.is_file() and "interrupted (SIGTERM); nothing written" in result.stderr
+    assert marker.is_file() and "interrupted (SIGTERM)" in result.stderr
 
 
 def _wait_for(condition, timeout_s: float, what: str) -> None:

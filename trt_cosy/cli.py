@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -352,8 +353,6 @@ class _SynthesisProgress:
     """Progress lines of `say` on stderr: per chunk (segment i/n, audio so far, RTF) and a heartbeat."""
 
     def __init__(self, stream: bool, quiet: bool):
-        import time
-
         self._clock = time.perf_counter
         self.stream, self.quiet = stream, quiet
         self.started = self.last_line = self._clock()

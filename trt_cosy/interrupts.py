@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Final, TypeVar
@@ -66,6 +67,16 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _wait_ignoring_interrupts(done: threading.Event, timeout_s: float) -> bool:
+    """``done.wait(timeout_s)`` that a second Ctrl-C does not cut short (the grace period stands)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return done.wait(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            continue
+
+
 def run_interruptible(
     work: Callable[[threading.Event], T],
     on_abandon: Callable[[], None],
@@ -102,12 +113,12 @@ def run_interruptible(
                 on_wait()
     except KeyboardInterrupt as exc:
         stop.set()
-        if not done.wait(grace_s):
+        if not _wait_ignoring_interrupts(done, grace_s):
             _LOGGER.debug("work still running %.1f s after the interrupt; abandoning it", grace_s)
             try:
                 on_abandon()
             finally:
-                print(f"interrupted ({signal_name(exc)}); nothing written", file=sys.stderr)
+                print(f"interrupted ({signal_name(exc)})", file=sys.stderr)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(exit_status(exc))
