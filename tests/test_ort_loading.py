@@ -7,6 +7,7 @@ estimator and sessions on the shared arena give bit-identical outputs to plain e
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from pathlib import Path
 
@@ -191,8 +192,10 @@ def test_shared_arena_engines_match_private_sessions(tiny_engines):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("fastapi") is None, reason="the server's warm-up needs the [serve] extra (fastapi)"
+)
 def test_server_warm_up_creates_the_deferred_streaming_session(tiny_engines):
-    pytest.importorskip("fastapi", reason="the server's warm-up needs the [serve] extra (fastapi)")
     from trt_cosy.server.app import warm_up
     from trt_cosy.tts import CosyVoice
 
