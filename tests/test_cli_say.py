@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-from _support import BLOCK_TORCH, tiny_engines, tiny_release
+from _support import BLOCK_TORCH, require_build_extra, tiny_engines, tiny_release
 from click.testing import CliRunner
 
 # Shared fixtures and helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
@@ -476,6 +476,7 @@ def test_verbose_after_the_subcommand(injected, tmp_path):
 
 
 def test_bench_and_serve_take_model_dir(tmp_path, monkeypatch, v2_tiny_dir):
+    require_build_extra()  # engines missing from the cache are built (faked here), which needs the extra
     import trt_cosy.benchmark as benchmark_module
     import trt_cosy.build.engines as build_module
 
