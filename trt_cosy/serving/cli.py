@@ -69,7 +69,9 @@ def ray_serve_options(serve_command):
         if replicas is not None and autoscale is not None:
             raise click.UsageError("pass only one of --replicas, --autoscale.")
         if options.get("engines") is None:
-            raise click.UsageError("--ray needs --engines (an engines directory every replica loads).")
+            raise click.UsageError(
+                "--ray needs --engines: an engines directory every replica loads (`trt-cosy build --out DIR`)."
+            )
         from ..errors import require
 
         for module in ("ray", "fastapi", "uvicorn", "python_multipart", "prometheus_client"):
