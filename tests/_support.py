@@ -26,6 +26,15 @@ BLOCK_TORCH = textwrap.dedent(
 )
 
 
+def require_build_extra() -> None:
+    """Skip the calling test (with the reason) unless the [build] extra (torch, onnx) is installed:
+    the tiny test models and engines are made with it."""
+    import pytest
+
+    pytest.importorskip("torch", reason="needs the [build] extra (torch) to make the tiny test model")
+    pytest.importorskip("onnx", reason="needs the [build] extra (onnx) to build the tiny engines")
+
+
 def save_test_graph(graph, path, check: bool = True):
     """Save an ``onnx.helper.make_graph`` graph as an opset-18, IR-8 model at ``path`` (readable by
     every onnxruntime this project supports); returns ``path``."""
@@ -45,6 +54,7 @@ def tiny_release(factory, golden_dir):
     written once per session into ``factory``'s base temp directory; returns its path."""
     import shutil
 
+    require_build_extra()
     from trt_cosy.build.testmodel import make_test_model
     from trt_cosy.config import QWEN_DIR
 
@@ -62,6 +72,7 @@ def tiny_release(factory, golden_dir):
 
 def tiny_engines(factory, golden_dir):
     """ONNX Runtime engines of ``tiny_release``, built once per session (later calls are manifest skips)."""
+    require_build_extra()
     from trt_cosy.build.engines import build_engines
 
     return build_engines(tiny_release(factory, golden_dir), factory.getbasetemp() / "tiny-engines")
@@ -113,6 +124,7 @@ def family_release(factory: pytest.TempPathFactory, family: str) -> Path:
     Built once per session in the pytest base temp (the e2e tests build their engines from it and
     verify them against the golden reference with it as ``--model-dir``).
     """
+    require_build_extra()
     from trt_cosy.build.testmodel import make_test_model
 
     base = factory.getbasetemp()
@@ -133,6 +145,7 @@ def family_release(factory: pytest.TempPathFactory, family: str) -> Path:
 
 def family_engines(factory: pytest.TempPathFactory, family: str) -> Path:
     """ONNX Runtime engines of ``family_release``, built once per session (later calls are manifest skips)."""
+    require_build_extra()
     from trt_cosy.build.engines import build_engines
 
     return build_engines(family_release(factory, family), factory.getbasetemp() / f"{family}-tiny-engines")
