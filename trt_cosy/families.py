@@ -120,8 +120,33 @@ def make_voice_builder(
     return VoiceBuilder(campplus, tokenizer, config.mel, config.token_mel_ratio, model_id=model_id)
 
 
-def build_stages(model: LoadedModel) -> Stages | V1Stages | V3Stages:
-    """The stateless stages of the model's family over its runners and tables."""
+def _llm_stage(model: LoadedModel, slots: int | None, positions: int | None) -> LLMStage:
+    """``BatchedLLMStage`` over the ``llm_batch`` graph when the engines have it and batching is on."""
+    runners, config = model.runners, model.config
+    batch_runner = runners.get("llm_batch")
+    if batch_runner is None or slots == 0:
+        return LLMStage(runners["llm"], model.llm_tables, config.llm)
+    from .stages.llm_batch import DEFAULT_POSITIONS, DEFAULT_SLOTS, BatchedLLMStage
+
+    return BatchedLLMStage(
+        runners["llm"],
+        batch_runner,
+        model.llm_tables,
+        config.llm,
+        slots=DEFAULT_SLOTS if slots is None else slots,
+        positions=DEFAULT_POSITIONS if positions is None else positions,
+    )
+
+
+def build_stages(
+    model: LoadedModel, llm_slots: int | None = None, llm_slot_positions: int | None = None
+) -> Stages | V1Stages | V3Stages:
+    """The stateless stages of the model's family over its runners and tables.
+
+    CosyVoice2/3 engines with the batched decode graph get a ``BatchedLLMStage`` (one decode loop
+    shared by all requests, ``llm_slots`` KV slots; ``EngineConfig.llm_slots``) unless
+    ``llm_slots`` is 0; everything else decodes each request alone.
+    """
     config, runners = model.config, model.runners
     if config.family == "v1":
         flow = V1FlowStage(
@@ -132,7 +157,7 @@ def build_stages(model: LoadedModel) -> Stages | V1Stages | V3Stages:
         )
         llm = V1LLMStage(runners[V1_TEXT_ENCODER.name], runners[V1_LLM.name], model.llm_tables, config.llm)
         return V1Stages(llm=llm, synthesizer=V1Synthesizer(flow, runners[V1_HIFT.name], config))
-    llm = LLMStage(runners["llm"], model.llm_tables, config.llm)
+    llm = _llm_stage(model, llm_slots, llm_slot_positions)
     flow = FlowStage(
         runners["flow_encoder"],
         runners["flow_estimator"],
