@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import TrtCosyError
+from .errors import InputError, TrtCosyError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -405,17 +405,46 @@ def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads:
 @click.option("--no-cold-start", is_flag=True, help="Do not time fresh processes from start to ready.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report as JSON.")
+@click.option("--concurrency", default=None, metavar="N[,N...]",
+              help="Instead: N streaming requests at once through one CosyVoice (e.g. 1,2,4,8): aggregate "
+                   "decode tokens/s, audio seconds per wall second, time to first audio p50/p95.")
+@click.option("--compare-unbatched", is_flag=True,
+              help="With --concurrency: also run each round with every request decoding alone.")
 def bench(engines: Path, tokens: int, text: str | None, stream: bool, runs: int, warmup: int,
-          threads: int | None, no_cold_start: bool, json_out: Path | None) -> None:
+          threads: int | None, no_cold_start: bool, json_out: Path | None, concurrency: str | None,
+          compare_unbatched: bool) -> None:
     """Time LLM prefill/decode, flow, HiFT, RTF, first audio, cold start and peak RSS of an engines directory."""
     import json
 
     from .benchmark import BenchOptions, format_bench, run_bench
 
+    if concurrency is not None:
+        _bench_concurrency(engines, concurrency, text, runs, warmup, threads, compare_unbatched, json_out)
+        return
+
     options = BenchOptions(tokens=tokens, text=text, stream=stream, runs=runs, warmup=warmup, threads=threads,
                            cold_start=not no_cold_start)
     report = run_bench(engines, options, progress=_progress)
     click.echo(format_bench(report))
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+def _bench_concurrency(engines: Path, levels: str, text: str | None, runs: int, warmup: int,
+                       threads: int | None, compare_unbatched: bool, json_out: Path | None) -> None:
+    import json
+
+    from .bench.concurrency import ConcurrencyOptions, format_concurrency, run_concurrency_bench
+
+    try:
+        parsed = tuple(int(item) for item in levels.split(","))
+    except ValueError:
+        raise InputError(f"--concurrency takes positive integers separated by commas, got {levels!r}.") from None
+    options = ConcurrencyOptions(levels=parsed, runs=runs, warmup=warmup, threads=threads,
+                                 compare_unbatched=compare_unbatched,
+                                 **({"text": text} if text is not None else {}))
+    report = run_concurrency_bench(engines, options, progress=_progress)
+    click.echo(format_concurrency(report))
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 

@@ -132,6 +132,8 @@ class _SlotStepper:
         self._model, self._slots = model, slots
         self._session = model.runner.session
         self._logits = np.zeros((slots.slots, 1, vocab), np.float32)  # [S, 1, V]
+        self._binding: Any = None  # reused while the batch size stays the same
+        self._rows = -1
 
     def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
         """One new position for each of the ``count`` active rows: ``inputs_embeds`` [B, 1, D] ->
@@ -146,15 +148,16 @@ class _SlotStepper:
             raise InputError("a row reached the KV slot capacity")
         inputs = np.ascontiguousarray(inputs_embeds, dtype=np.float32)  # [B, 1, D]
         seqlens = slots.lengths[:rows].astype(np.int32)  # cached + 1 new - 1: [B]
-        binding = self._session.io_binding()
+        logits = self._logits[:rows]  # [B, 1, V]
+        binding = self._binding
+        if rows != self._rows:  # the cache views and the logits buffer depend only on the batch size
+            binding = self._session.io_binding()
+            self._model._bind_cache(binding, [k[:rows] for k in slots.keys], [v[:rows] for v in slots.values])
+            binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+            self._binding, self._rows = binding, rows
         binding.bind_cpu_input("inputs_embeds", inputs)
         binding.bind_cpu_input("seqlens_k", seqlens)
         binding.bind_cpu_input("total_sequence_length", np.array(int(seqlens.max()) + 1, np.int32))
-        self._model._bind_cache(
-            binding, [k[:rows] for k in slots.keys], [v[:rows] for v in slots.values]
-        )
-        logits = self._logits[:rows]  # [B, 1, V]
-        binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         self._session.run_with_iobinding(binding)
         slots.lengths[:rows] += 1
         return logits[:, 0]  # [B, V]
