@@ -19,7 +19,7 @@ from trt_cosy.build.ort_llm_batch import derive_batched_llm
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
 from trt_cosy.runtime.manifest import Manifest
-from trt_cosy.runtime.ort import LazyOrtRunner
+from trt_cosy.runtime.ort import LazyOrtRunner, OrtKVDecoder
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.stages.llm_batch import BatchedLLMStage
 from trt_cosy.stages.sampling import RASSampler, greedy_sample, log_softmax
@@ -78,6 +78,9 @@ def test_build_writes_and_records_the_batched_graph(engines, model):
     assert [t.name for t in record.outputs][0] == "logits"
     # Only the LLM session that is used gets created: both are deferred.
     assert isinstance(model.runners["llm"], LazyOrtRunner) and isinstance(model.runners["llm_batch"], LazyOrtRunner)
+    # Decoding alone through the deferred llm session still keeps the cache inside ONNX Runtime.
+    stage = LLMStage(model.runners["llm"], model.llm_tables, model.config.llm)
+    assert isinstance(stage._decoder(), OrtKVDecoder)
 
 
 def test_graph_without_group_query_attention_is_not_derived(engines):

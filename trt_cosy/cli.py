@@ -384,7 +384,8 @@ def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads:
     from .synthesis import EngineConfig
     from .tts import CosyVoice
 
-    tts = CosyVoice.load(engines, config=EngineConfig(threads=threads))
+    # The shared LLM decode loop gets one KV slot per synthesis the server runs at once.
+    tts = CosyVoice.load(engines, config=EngineConfig(threads=threads, llm_slots=max_concurrent))
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
         max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s,
