@@ -237,6 +237,24 @@ def test_failed_step_fails_its_rows_and_the_loop_serves_the_next(model, v2_refer
     assert list(stage.generate(*args, greedy_sample, max_new_tokens=6)) == golden[:6]
 
 
+def test_idle_loop_ends_its_thread_and_the_next_request_starts_one(model, v2_reference, monkeypatch):
+    import trt_cosy.stages.llm_batch as llm_batch
+
+    monkeypatch.setattr(llm_batch, "_IDLE_EXIT_S", 0.1)
+    stage = _batched(model, slots=2)
+    args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
+    golden = v2_reference["llm_greedy_tokens"][:6].tolist()
+    assert list(stage.generate(*args, greedy_sample, max_new_tokens=6)) == golden
+    deadline = time.monotonic() + 5.0
+    while stage.scheduler._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stage.scheduler._thread is None
+    assert list(stage.generate(*args, greedy_sample, max_new_tokens=6)) == golden
+    stage.scheduler.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        list(stage.generate(*args, greedy_sample, max_new_tokens=6))
+
+
 def test_request_longer_than_a_slot_decodes_alone(model, v2_reference):
     stage = _batched(model, slots=2, positions=50)  # prompt 43 + 10 tokens does not fit
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])

@@ -43,7 +43,7 @@ _LOGGER = logging.getLogger(__name__)
 DEFAULT_SLOTS: Final = 8
 DEFAULT_POSITIONS: Final = 2048  # cached positions per slot (prompt + speech tokens)
 _END: Final = object()
-_IDLE_WAIT_S: Final = 1.0
+_IDLE_EXIT_S: Final = 30.0  # an idle loop ends its thread (the next request starts a new one)
 
 
 class _Row:
@@ -134,13 +134,16 @@ class DecodeScheduler:
         """Stop the loop (rows still running get ``RuntimeError``); for tests and shutdown."""
         with self._changed:
             self._closed = True
+            thread = self._thread
             self._changed.notify_all()
-        if self._thread is not None:
-            self._thread.join(30.0)
+        if thread is not None:
+            thread.join(30.0)
 
     def _admit(self) -> bool:
-        """Drop cancelled rows, admit pending ones while slots are free; False when closed."""
+        """Drop cancelled rows, admit pending ones while slots are free; False when closed or idle
+        for ``_IDLE_EXIT_S`` (the thread then ends; ``join`` starts a new one)."""
         with self._changed:
+            idle_since = time.monotonic()
             while True:
                 self._drop([i for i, row in enumerate(self._rows) if row.cancelled.is_set()])
                 self._pending = [(r, c) for r, c in self._pending if not r.cancelled.is_set()]
@@ -153,7 +156,10 @@ class DecodeScheduler:
                     return False
                 if self._rows:
                     return True
-                self._changed.wait(_IDLE_WAIT_S)
+                if time.monotonic() - idle_since >= _IDLE_EXIT_S:
+                    self._thread = None
+                    return False
+                self._changed.wait(_IDLE_EXIT_S)
 
     def _drop(self, indices: list[int], end: object = _END) -> None:
         """Remove rows (highest index first, so each move keeps the others' indices) and end them."""
