@@ -123,8 +123,17 @@ def make_voice_builder(
 def _llm_stage(model: LoadedModel, slots: int | None, positions: int | None) -> LLMStage:
     """``BatchedLLMStage`` over the ``llm_batch`` graph when the engines have it and batching is on."""
     runners, config = model.runners, model.config
+    from .runtime.ort import LazyOrtRunner, OrtRunner
+
     batch_runner = runners.get("llm_batch")
+    if not isinstance(batch_runner, (OrtRunner, LazyOrtRunner)):
+        batch_runner = None  # the batched decoder binds ONNX Runtime buffers; wrapped runners decode alone
     if batch_runner is None or slots == 0:
+        if "llm_batch" not in runners and slots != 0 and model.backend == "onnxruntime":
+            _LOGGER.info(
+                "these engines have no llm_batch.onnx: concurrent requests decode one at a time; rebuild them "
+                "(`trt-cosy build --force ...`) for continuous batching"
+            )
         return LLMStage(runners["llm"], model.llm_tables, config.llm)
     from .stages.llm_batch import DEFAULT_POSITIONS, DEFAULT_SLOTS, BatchedLLMStage
 
