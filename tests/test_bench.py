@@ -71,9 +71,14 @@ def test_derived_int4_engines_bench_and_leave_fp32_untouched(engines, tmp_path):
     from trt_cosy.runtime.manifest import Manifest
 
     before = (engines / "manifest.json").read_bytes()
+    batch_before = (engines / "llm_batch.onnx").read_bytes()
     derived = derive_engines(engines, tmp_path / "int4", "int4")
     assert (engines / "manifest.json").read_bytes() == before  # hard links are never written through
+    assert (engines / "llm_batch.onnx").read_bytes() == batch_before
     Manifest.read(derived).check(derived, precision="int4")
+    # The batched decode graph is derived again from the quantised llm.onnx.
+    assert "llm_batch" in Manifest.read(derived).graphs
+    assert (derived / "llm_batch.onnx").stat().st_size < len(batch_before) / 3
     report = run_bench(derived, BenchOptions(tokens=30, runs=1, warmup=0, cold_start=False, threads=1))
     assert report["precision"] == "int4" and report["metrics"]["tokens"]["median"] == 30
 
@@ -108,3 +113,22 @@ def test_ab_engines_alternates_directories(engines, tmp_path, capsys):
     assert all(run["tokens"] == 30 and run["rtf"] > 0 for run in runs)
     printed = capsys.readouterr().out.splitlines()
     assert [line.split(" ", 1)[0] for line in printed[:2]] == ["warm-up", "warm-up"]
+
+
+def test_concurrency_bench_report(engines):
+    from trt_cosy.bench.concurrency import ConcurrencyOptions, format_concurrency, run_concurrency_bench
+
+    options = ConcurrencyOptions(levels=(1, 2), text="Hi.", runs=1, warmup=0, threads=1, compare_unbatched=True)
+    lines = []
+    report = run_concurrency_bench(engines, options, progress=lines.append)
+    assert len(lines) == 4  # 2 levels x (batched, unbatched)
+    assert report["llm_stage"] == {"batched": "BatchedLLMStage", "unbatched": "LLMStage"}
+    for level in ("1", "2"):
+        for variant in ("batched", "unbatched"):
+            summary = report["levels"][level][variant]
+            assert len(summary["rounds"][0]["requests"]) == int(level)
+            assert summary["aggregate_decode_tokens_per_s"] > 0 and summary["audio_s_per_wall_s"] > 0
+            assert 0 < summary["first_audio_p50_s"] <= summary["first_audio_p95_s"]
+    assert report["scheduler"]["batched"]["steps"] > 0
+    json.dumps(report)
+    assert "decode tok/s" in format_concurrency(report)

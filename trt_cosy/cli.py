@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import TrtCosyError
+from .errors import InputError, TrtCosyError
 from .serving.cli import ray_serve_options, triton_repo
 
 _LOGGER = logging.getLogger(__name__)
@@ -522,7 +522,8 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     from .tts import CosyVoice
 
     engines = _engines_or_model_dir(engines, model_dir)
-    tts = CosyVoice.load(engines, config=EngineConfig(threads=threads))
+    # The shared LLM decode loop gets one KV slot per synthesis the server runs at once.
+    tts = CosyVoice.load(engines, config=EngineConfig(threads=threads, llm_slots=max_concurrent))
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
         max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,
@@ -546,17 +547,47 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
 @click.option("--no-cold-start", is_flag=True, help="Do not time fresh processes from start to ready.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report as JSON.")
-def bench(engines: Path | None, model_dir: Path | None, tokens: int, text: str | None, stream: bool, runs: int, warmup: int,
-          threads: int | None, no_cold_start: bool, json_out: Path | None) -> None:
+@click.option("--concurrency", default=None, metavar="N[,N...]",
+              help="Instead: N streaming requests at once through one CosyVoice (e.g. 1,2,4,8): aggregate "
+                   "decode tokens/s, audio seconds per wall second, time to first audio p50/p95.")
+@click.option("--compare-unbatched", is_flag=True,
+              help="With --concurrency: also run each round with every request decoding alone.")
+def bench(engines: Path | None, model_dir: Path | None, tokens: int, text: str | None, stream: bool, runs: int,
+          warmup: int, threads: int | None, no_cold_start: bool, json_out: Path | None, concurrency: str | None,
+          compare_unbatched: bool) -> None:
     """Time LLM prefill/decode, flow, HiFT, RTF, first audio, cold start and peak RSS of an engines directory."""
     import json
 
     from .benchmark import BenchOptions, format_bench, run_bench
 
+    engines = _engines_or_model_dir(engines, model_dir)
+    if concurrency is not None:
+        _bench_concurrency(engines, concurrency, text, runs, warmup, threads, compare_unbatched, json_out)
+        return
+
     options = BenchOptions(tokens=tokens, text=text, stream=stream, runs=runs, warmup=warmup, threads=threads,
                            cold_start=not no_cold_start)
-    report = run_bench(_engines_or_model_dir(engines, model_dir), options, progress=_progress)
+    report = run_bench(engines, options, progress=_progress)
     click.echo(format_bench(report))
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+def _bench_concurrency(engines: Path, levels: str, text: str | None, runs: int, warmup: int,
+                       threads: int | None, compare_unbatched: bool, json_out: Path | None) -> None:
+    import json
+
+    from .bench.concurrency import ConcurrencyOptions, format_concurrency, run_concurrency_bench
+
+    try:
+        parsed = tuple(int(item) for item in levels.split(","))
+    except ValueError:
+        raise InputError(f"--concurrency takes positive integers separated by commas, got {levels!r}.") from None
+    options = ConcurrencyOptions(levels=parsed, runs=runs, warmup=warmup, threads=threads,
+                                 compare_unbatched=compare_unbatched,
+                                 **({"text": text} if text is not None else {}))
+    report = run_concurrency_bench(engines, options, progress=_progress)
+    click.echo(format_concurrency(report))
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 

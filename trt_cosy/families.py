@@ -55,9 +55,14 @@ def make_voice_builder(
     return family_of(model.config).make_voice_builder(model, lazy_runner, model_id)
 
 
-def build_stages(model: LoadedModel) -> Any:
-    """The stateless stages of the model's family over its runners and tables."""
-    return family_of(model.config).build_stages(model)
+def build_stages(model: LoadedModel, llm_slots: int | None = None, llm_slot_positions: int | None = None) -> Any:
+    """The stateless stages of the model's family over its runners and tables.
+
+    CosyVoice2/3 engines with the batched decode graph get a ``BatchedLLMStage`` (one decode loop
+    shared by all requests, ``llm_slots`` KV slots; ``EngineConfig.llm_slots``) unless ``llm_slots``
+    is 0; everything else decodes each request alone.
+    """
+    return family_of(model.config).build_stages(model, llm_slots, llm_slot_positions)
 
 
 def request_class(family: str) -> type[Request]:

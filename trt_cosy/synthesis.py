@@ -71,10 +71,22 @@ class EngineConfig:
     normalizer: str | None = None
     """Default text normaliser: ``"wetext"`` (numbers, dates, money verbalised first) or ``"none"``
     (rules only). None: wetext when installed, else ``"none"`` (what the official code falls back to)."""
+    llm_slots: int | None = None
+    """Continuous batching of the speech LLM (CosyVoice2/3 on ONNX Runtime, engines with
+    ``llm_batch.onnx``): the KV slots of the shared decode loop = the most requests decoded in one
+    batch, >= 0. None: ``stages.llm_batch.DEFAULT_SLOTS`` (a server passes its concurrency limit);
+    0: every request decodes alone."""
+    llm_slot_positions: int | None = None
+    """Cached positions per KV slot (prompt + speech tokens), >= 1; a longer request decodes alone.
+    None: ``stages.llm_batch.DEFAULT_POSITIONS``."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise InputError(f"threads must be a positive integer or None, got {self.threads!r}.")
+        for name, least in (("llm_slots", 0), ("llm_slot_positions", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise InputError(f"{name} must be an integer >= {least} or None, got {value!r}.")
         _check_normalizer(self.normalizer)
 
     def to_dict(self) -> dict[str, Any]:

@@ -341,7 +341,8 @@ class CosyVoice:
     @functools.cached_property
     def _stages(self):
         """The stateless stages of the family (``pipeline.Stages``, ``V1Stages``, ``V3Stages``)."""
-        return families.build_stages(self.model)
+        options = self.engine_config
+        return families.build_stages(self.model, options.llm_slots, options.llm_slot_positions)
 
 
 def _make_normalizer(

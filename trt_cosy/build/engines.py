@@ -49,6 +49,7 @@ from .family_engines import (
     load_model_for_build,
     write_model_data,
 )
+from .ort_llm_batch import batch_graph_record, write_batched_llm
 from .ort_passes import rewrite_engine_graphs
 from .quantize import QUANTIZED_PRECISIONS, quantize_engines
 
@@ -198,6 +199,7 @@ def _write_engines(
     config = model.config
     del model  # the torch weights (2+ GB at full size) are not needed past this point
     gc.collect()
+    batch_graph = None
     if backend == "tensorrt":
         from .tensorrt import prepare_trt_graphs
 
@@ -206,6 +208,7 @@ def _write_engines(
         rewrite_engine_graphs(staging, lambda name: _plan_feeds(config, name), progress=emit)
         if precision != "fp32":
             quantize_engines(staging, precision, family, progress=emit)
+        batch_graph = write_batched_llm(staging)  # continuous batching (stages.llm_batch), v2/v3
     _write_model_config(config, staging / MODEL_CONFIG_NAME)
     if family_named(config.family).qwen_llm:
         _copy_tokenizer(model_dir / QWEN_DIR, staging / TOKENIZER_DIR)
@@ -221,6 +224,8 @@ def _write_engines(
         graphs={name: _graph_record(result, staging) for name, result in results.items()},
         files=_file_sizes(staging),
     )
+    if batch_graph is not None:
+        manifest.graphs[batch_graph.stem] = batch_graph_record(batch_graph, staging)
     manifest.write(staging)
 
 

@@ -263,6 +263,7 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
 
     from ..runtime.engines import MODEL_CONFIG_NAME
     from ..runtime.manifest import MANIFEST_NAME, Manifest, model_config_from_dict
+    from .ort_llm_batch import BATCH_FILE, batch_graph_record, write_batched_llm
 
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
     manifest = Manifest.read(fp32_dir)
@@ -277,6 +278,11 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     try:
         shutil.copytree(fp32_dir, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
         quantize_engines(staging, precision, family, progress)
+        if write_batched_llm(staging) is not None:  # from the quantised llm.onnx
+            batch = staging / BATCH_FILE
+            manifest = dataclasses.replace(
+                manifest, graphs={**manifest.graphs, batch.stem: batch_graph_record(batch, staging)}
+            )
         files = {
             path.relative_to(staging).as_posix(): path.stat().st_size
             for path in sorted(staging.rglob("*"))

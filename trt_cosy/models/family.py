@@ -104,8 +104,13 @@ class Family(ABC):
         return VoiceBuilder(campplus, tokenizer, config.mel, config.token_mel_ratio, model_id=model_id)
 
     @abstractmethod
-    def build_stages(self, model: LoadedModel) -> Any:
-        """The stateless stages over the model's runners and tables, shared by its requests."""
+    def build_stages(
+        self, model: LoadedModel, llm_slots: int | None = None, llm_slot_positions: int | None = None
+    ) -> Any:
+        """The stateless stages over the model's runners and tables, shared by its requests.
+
+        ``llm_slots`` / ``llm_slot_positions``: the shared decode loop's KV slots and positions per
+        slot (``EngineConfig``); families without a batched decode graph ignore them."""
 
     # --- one request ----------------------------------------------------------------------------
 

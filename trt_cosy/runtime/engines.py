@@ -134,7 +134,14 @@ def _load_runners(
                 f"--out {engines_dir}`."
             )
         loader = LazyOrtRunner if name in lazy_graphs else OrtRunner.from_path
+        if name == graphs.LLM.name and graphs.LLM_BATCH.name in manifest.graphs:
+            loader = LazyOrtRunner  # one of the two LLM sessions is used: do not hold both weights
         runners[name] = loader(engines_dir / record.file, name, threads, exported=True)
+    batch = manifest.graphs.get(graphs.LLM_BATCH.name)
+    if batch is not None:  # the batched decode graph (stages.llm_batch), created on first use
+        runners[graphs.LLM_BATCH.name] = LazyOrtRunner(
+            engines_dir / batch.file, graphs.LLM_BATCH.name, threads, exported=True
+        )
     return runners
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["TensorSpec", "GraphSpec", "GRAPHS", "LLM", "FLOW_ENCODER", "FLOW_ESTIMATOR",
+__all__ = ["TensorSpec", "GraphSpec", "GRAPHS", "LLM", "LLM_BATCH", "FLOW_ENCODER", "FLOW_ESTIMATOR",
            "FLOW_ESTIMATOR_STREAM", "HIFT"]
 
 
@@ -52,6 +52,23 @@ LLM: Final = GraphSpec(
         TensorSpec("present_keys", "float32", ("L", 1, "H", "P+T", "Dh")),
         TensorSpec("present_values", "float32", ("L", 1, "H", "P+T", "Dh")),
     ),
+)
+
+# The batched decode form of ``LLM`` (ONNX Runtime engines of the Qwen2 families; written by
+# ``build.ort_llm_batch``, driven by ``stages.llm_batch``). Per layer i: ``past_key_<i>`` and
+# ``past_value_<i>`` [B, H, P, Dh] in, ``present_key_<i>`` / ``present_value_<i>`` [B, H, P, Dh]
+# out, bound to the same buffers (written in place). Row b attends to its first
+# ``seqlens_k[b] + 1`` positions; its T new inputs take positions ``seqlens_k[b] + 1 - T`` on.
+# ``total_sequence_length`` = max(seqlens_k) + 1. Not part of ``GRAPHS``: engines without it
+# decode one request at a time.
+LLM_BATCH: Final = GraphSpec(
+    "llm_batch",
+    inputs=(
+        TensorSpec("inputs_embeds", "float32", ("B", "T", "D")),
+        TensorSpec("seqlens_k", "int32", ("B",)),
+        TensorSpec("total_sequence_length", "int32", ()),
+    ),
+    outputs=(TensorSpec("logits", "float32", ("B", "T", "V")),),
 )
 
 # Token embedding + UpsampleConformerEncoder + encoder_proj + speaker affine.

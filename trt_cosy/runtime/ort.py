@@ -279,6 +279,10 @@ class LazyOrtRunner:
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.load().infer(feed)
 
+    def kv_decoder(self, cache_shape: tuple[int, ...]) -> OrtKVDecoder:
+        """``OrtRunner.kv_decoder`` of the underlying session (the LLM graph may be deferred)."""
+        return self.load().kv_decoder(cache_shape)
+
 
 class OrtKVDecoder:
     """Decode through an ``LLM``-contract session with the KV cache kept inside ONNX Runtime.

@@ -135,7 +135,10 @@ class V1Family(Family):
         tokenizer = lazy_runner(self.speech_tokenizer_file, "speech_tokenizer")
         return V1VoiceBuilder(campplus, tokenizer, model.config.mel, 1, model_id=model_id)
 
-    def build_stages(self, model: LoadedModel) -> V1Stages:
+    def build_stages(
+        self, model: LoadedModel, llm_slots: int | None = None, llm_slot_positions: int | None = None
+    ) -> V1Stages:
+        # No batched decode graph for the v1 LM (no GroupQueryAttention): each request decodes alone.
         config, runners = model.config, model.runners
         flow = V1FlowStage(
             runners[V1_FLOW_ENCODER.name],

@@ -10,6 +10,7 @@ vocabulary, the flow encoder, the vocoder and the prompts. Spec §2.4 for the pr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from ...synthesis import LLMPrompt
 from ...verify.stages import run_flow, run_hift, run_llm
 from ..family import Family, QualityFeeds
 from .config import v2_config_from_release_dir
+
+_LOGGER = logging.getLogger(__name__)
 
 __all__ = ["V2Family", "V2QualityFeeds"]
 
@@ -97,9 +100,11 @@ class V2Family(Family):
         """The Qwen2 tokenizer files with the family's special tokens (``special_tokens_for``)."""
         return QwenTextTokenizer.from_dir(tokenizer_dir, special_tokens_for(self.name))
 
-    def build_stages(self, model: LoadedModel) -> Any:
+    def build_stages(
+        self, model: LoadedModel, llm_slots: int | None = None, llm_slot_positions: int | None = None
+    ) -> Any:
         config, runners = model.config, model.runners
-        llm = LLMStage(runners["llm"], model.llm_tables, config.llm)
+        llm = self._llm_stage(model, llm_slots, llm_slot_positions)
         flow = FlowStage(
             runners["flow_encoder"],
             runners["flow_estimator"],
@@ -109,6 +114,33 @@ class V2Family(Family):
             step_loops=device_euler_loops(runners, config.flow),  # TensorRT step plans, when built
         )
         return self._stages(model, llm, flow)
+
+    @staticmethod
+    def _llm_stage(model: LoadedModel, slots: int | None, positions: int | None) -> LLMStage:
+        """``BatchedLLMStage`` over the ``llm_batch`` graph when the engines have it and batching is on."""
+        from ...runtime.ort import LazyOrtRunner, OrtRunner
+
+        runners, config = model.runners, model.config
+        batch_runner = runners.get("llm_batch")
+        if not isinstance(batch_runner, (OrtRunner, LazyOrtRunner)):
+            batch_runner = None  # the batched decoder binds ONNX Runtime buffers; wrapped runners decode alone
+        if batch_runner is None or slots == 0:
+            if "llm_batch" not in runners and slots != 0 and model.backend == "onnxruntime":
+                _LOGGER.info(
+                    "these engines have no llm_batch.onnx: concurrent requests decode one at a time; rebuild "
+                    "them (`trt-cosy build --force ...`) for continuous batching"
+                )
+            return LLMStage(runners["llm"], model.llm_tables, config.llm)
+        from ...stages.llm_batch import DEFAULT_POSITIONS, DEFAULT_SLOTS, BatchedLLMStage
+
+        return BatchedLLMStage(
+            runners["llm"],
+            batch_runner,
+            model.llm_tables,
+            config.llm,
+            slots=DEFAULT_SLOTS if slots is None else slots,
+            positions=DEFAULT_POSITIONS if positions is None else positions,
+        )
 
     def _stages(self, model: LoadedModel, llm: LLMStage, flow: FlowStage) -> Any:
         return Stages(llm=llm, flow=flow, vocoder=VocoderStage(model.runners["hift"], model.config.hift))

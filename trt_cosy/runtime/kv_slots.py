@@ -1,0 +1,164 @@
+"""Preallocated KV cache slots for batched decoding, and the ONNX Runtime runs of the ``LLM_BATCH``
+graph over them (``graphs.LLM_BATCH``; see ``stages.llm_batch`` for the scheduler that drives it).
+
+``KVSlots`` holds one key and one value buffer per layer, [slots, H, capacity, Dh] float32,
+allocated once (``np.zeros``: the pages are committed as rows fill). The active rows of a batch are
+always the first ``count`` slots, so a step passes the views ``buffer[:count]`` (contiguous, no
+copy); when a row leaves, the last active row moves into its place (one copy of that row's
+cached positions).
+
+``OrtBatchLLM`` runs the graph with IOBinding, each layer's present bound to the very buffer of its
+past: ONNX Runtime's GroupQueryAttention sees the shared buffer and writes the new positions in
+place, so a decode step copies no cache at all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from .graphs import LLM_BATCH
+
+__all__ = ["KVSlots", "PrefillCache", "OrtBatchLLM"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class PrefillCache:
+    """One request's cache after its batch-1 prefill: per layer keys/values [1, H, T, Dh]."""
+
+    def __init__(self, layers: int, kv_heads: int, length: int, head_dim: int):
+        shape = (1, kv_heads, length, head_dim)
+        self.keys = [np.zeros(shape, np.float32) for _ in range(layers)]  # each [1, H, T, Dh]
+        self.values = [np.zeros(shape, np.float32) for _ in range(layers)]
+        self.length = length
+
+
+class KVSlots:
+    """``slots`` rows of ``capacity`` cached positions each, for ``layers`` layers (not thread-safe:
+    one owner, the decode scheduler, changes it)."""
+
+    def __init__(self, slots: int, layers: int, kv_heads: int, capacity: int, head_dim: int):
+        if slots < 1 or capacity < 1:
+            raise InputError(f"KV slots need slots >= 1 and capacity >= 1, got {slots} and {capacity}.")
+        self.slots, self.capacity = slots, capacity
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.keys = [np.zeros(shape, np.float32) for _ in range(layers)]  # each [S, H, C, Dh]
+        self.values = [np.zeros(shape, np.float32) for _ in range(layers)]
+        self.lengths = np.zeros(slots, np.int32)  # cached positions per row
+        self.count = 0  # active rows: 0 .. count-1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved for the buffers (virtual: pages are committed as they are written)."""
+        return sum(buffer.nbytes for buffer in (*self.keys, *self.values))
+
+    def add(self, cache: PrefillCache) -> int:
+        """Copy a prefilled cache into the next free row; returns the row."""
+        if self.count >= self.slots:
+            raise InputError(f"all {self.slots} KV slots are in use")
+        if cache.length > self.capacity:
+            raise InputError(f"a cache of {cache.length} positions exceeds the slot capacity {self.capacity}")
+        row, length = self.count, cache.length
+        for buffers, parts in ((self.keys, cache.keys), (self.values, cache.values)):
+            for buffer, part in zip(buffers, parts, strict=True):
+                buffer[row, :, :length] = part[0]  # [H, T, Dh]
+        self.lengths[row] = length
+        self.count += 1
+        return row
+
+    def remove(self, row: int) -> int | None:
+        """Free ``row``; the last active row moves into it. Returns the row that moved there (its old
+        index was ``count`` after this call), or None when ``row`` was the last one."""
+        last = self.count - 1
+        self.count = last
+        if row == last:
+            self.lengths[last] = 0
+            return None
+        length = int(self.lengths[last])
+        for buffer in (*self.keys, *self.values):
+            buffer[row, :, :length] = buffer[last, :, :length]  # [H, P, Dh]
+        self.lengths[row] = length
+        self.lengths[last] = 0
+        return last
+
+
+class OrtBatchLLM:
+    """The ``llm_batch`` ONNX Runtime session: batch-1 prefill into a ``PrefillCache`` (any thread)
+    and batched decode steps over ``KVSlots`` (the scheduler's thread)."""
+
+    def __init__(self, runner: Any, layers: int):
+        self.runner = runner
+        self.layers = layers
+        names = set(runner.input_names)
+        wanted = {spec.name for spec in LLM_BATCH.inputs} | {f"past_key_{i}" for i in range(layers)}
+        if not wanted <= names:
+            raise InputError(f"graph '{runner.name}' lacks the batched decode inputs {sorted(wanted - names)}")
+
+    def _bind_cache(self, binding: Any, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        for layer in range(self.layers):
+            for kind, buffer in (("key", keys[layer]), ("value", values[layer])):
+                shape, pointer = buffer.shape, buffer.ctypes.data
+                binding.bind_input(f"past_{kind}_{layer}", "cpu", 0, np.float32, shape, pointer)
+                binding.bind_output(f"present_{kind}_{layer}", "cpu", 0, np.float32, shape, pointer)
+
+    def prefill(self, inputs_embeds: np.ndarray, cache: PrefillCache) -> np.ndarray:
+        """Run ``inputs_embeds`` [1, T, D] from position 0, filling ``cache`` (length T); returns the
+        logits of the last position [V]."""
+        inputs = np.ascontiguousarray(inputs_embeds, dtype=np.float32)  # [1, T, D]
+        length = inputs.shape[1]
+        session = self.runner.session
+        binding = session.io_binding()
+        binding.bind_cpu_input("inputs_embeds", inputs)
+        binding.bind_cpu_input("seqlens_k", np.array([length - 1], np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(length, np.int32))
+        binding.bind_output("logits", "cpu")  # first: get_outputs() follows the binding order
+        self._bind_cache(binding, cache.keys, cache.values)
+        session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()  # [1, T, V]
+        return logits[0, -1]
+
+    def decoder(self, slots: KVSlots, vocab: int) -> _SlotStepper:
+        """A stepper over ``slots`` with its own IOBinding and logits buffer (one thread uses it)."""
+        return _SlotStepper(self, slots, vocab)
+
+
+class _SlotStepper:
+    def __init__(self, model: OrtBatchLLM, slots: KVSlots, vocab: int):
+        self._model, self._slots = model, slots
+        self._session = model.runner.session
+        self._logits = np.zeros((slots.slots, 1, vocab), np.float32)  # [S, 1, V]
+        self._binding: Any = None  # reused while the batch size stays the same
+        self._rows = -1
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """One new position for each of the ``count`` active rows: ``inputs_embeds`` [B, 1, D] ->
+        logits [B, V] (a view valid until the next step). Each row's length grows by one."""
+        slots = self._slots
+        rows = slots.count
+        if inputs_embeds.shape[0] != rows:
+            raise InputError(f"{inputs_embeds.shape[0]} inputs for {rows} active rows")
+        if rows == 0:
+            return self._logits[:0, 0]
+        if int(slots.lengths[:rows].max()) >= slots.capacity:
+            raise InputError("a row reached the KV slot capacity")
+        inputs = np.ascontiguousarray(inputs_embeds, dtype=np.float32)  # [B, 1, D]
+        seqlens = slots.lengths[:rows].astype(np.int32)  # cached + 1 new - 1: [B]
+        logits = self._logits[:rows]  # [B, 1, V]
+        binding = self._binding
+        if rows != self._rows:  # the cache views and the logits buffer depend only on the batch size
+            binding = self._session.io_binding()
+            self._model._bind_cache(binding, [k[:rows] for k in slots.keys], [v[:rows] for v in slots.values])
+            binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+            self._binding, self._rows = binding, rows
+        binding.bind_cpu_input("inputs_embeds", inputs)
+        binding.bind_cpu_input("seqlens_k", seqlens)
+        binding.bind_cpu_input("total_sequence_length", np.array(int(seqlens.max()) + 1, np.int32))
+        self._session.run_with_iobinding(binding)
+        slots.lengths[:rows] += 1
+        return logits[:, 0]  # [B, V]
+

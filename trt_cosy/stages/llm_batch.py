@@ -1,0 +1,283 @@
+"""Continuous (in-flight) batching of the speech LLM: one decode loop per loaded model, shared by
+every request.
+
+A request prefills its own prompt at batch 1 (in its own thread, ``OrtBatchLLM.prefill``), samples
+its first token, then joins the ``DecodeScheduler``: its cache is copied into a free KV slot and
+from the next step on it is one row of the batch. Each step the scheduler feeds every active row's
+last token, runs one batched decode step (per-row lengths: ``graphs.LLM_BATCH``) and hands each row's
+logits to that request's own sampler, with the request's own length limits, exactly as the
+unbatched loop (``LLMStage._decode``) would; the tokens go to the request through a queue. A row
+leaves at a stop token, at its ``max_len``, or when its request is cancelled (the consumer closes
+the token iterator), and its slot is free for the next step. Requests never wait for each other
+to finish: a new one joins at the next step.
+
+Per-request state (sampler and its seeded RNG, RAS window, min/max length, decoded tokens) stays
+per request, so a request decoded in a batch yields the tokens it would yield alone (the logits
+of a row do not depend on the other rows; see tests/test_llm_batch.py).
+
+CosyVoice2 and Fun-CosyVoice3 ONNX Runtime engines only (their Qwen2 LLM has GroupQueryAttention);
+CosyVoice 1 and TensorRT keep per-request decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from ..config import LLMConfig
+from ..runtime.base import Runner
+from ..runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
+from .llm import LLMStage
+from .sampling import Sampler, log_softmax
+
+__all__ = ["BatchedLLMStage", "DecodeScheduler", "DecodeStats", "DEFAULT_SLOTS", "DEFAULT_POSITIONS"]
+
+_LOGGER = logging.getLogger(__name__)
+DEFAULT_SLOTS: Final = 8
+DEFAULT_POSITIONS: Final = 2048  # cached positions per slot (prompt + speech tokens)
+_END: Final = object()
+_IDLE_EXIT_S: Final = 30.0  # an idle loop ends its thread (the next request starts a new one)
+
+
+class _Row:
+    """One request's decode state (touched by its own thread until it joins, then by the scheduler)."""
+
+    def __init__(self, stage: LLMStage, sampler: Sampler, min_len: int, max_len: int):
+        self.sampler, self.min_len, self.max_len = sampler, min_len, max_len
+        self.eos = stage.config.eos_token
+        self.stop_tokens = frozenset(stage.config.stop_tokens)
+        self.speech_embedding = stage.speech_embedding  # [V, D]
+        self.decoded: list[int] = []
+        self.step = 0
+        self.done = False
+        self.cancelled = threading.Event()
+        self.tokens: queue.SimpleQueue = queue.SimpleQueue()  # int tokens, then _END or an exception
+        self.next_input: np.ndarray | None = None  # [D]: embedding of the last token
+
+    def sample(self, logits: np.ndarray) -> int | None:
+        """The next token from ``logits`` [V] (the unbatched loop's rules); None at a stop token.
+        Sets ``done`` when no further step is wanted."""
+        logp = log_softmax(logits)  # logp: [V]
+        if self.step < self.min_len:
+            logp[self.eos] = -np.inf
+        token = int(self.sampler(logp, self.decoded))
+        self.step += 1
+        if token in self.stop_tokens:
+            self.done = True
+            return None
+        self.decoded.append(token)
+        self.next_input = self.speech_embedding[token]
+        self.done = self.step >= self.max_len
+        return token
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one scheduler (read them for benchmarks; updated by the scheduler thread)."""
+
+    steps: int = 0  # batched decode steps run
+    row_steps: int = 0  # sum of the batch sizes of those steps (= tokens decoded in batches)
+    joined: int = 0
+    left: int = 0
+    busy_s: float = 0.0  # seconds inside decode steps (graph + sampling)
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+
+
+class DecodeScheduler:
+    """The shared decode loop of one loaded model (a daemon thread, started by the first request).
+
+    Args:
+        model: the ``llm_batch`` session wrapper.
+        slots: the KV slots (batch cap = ``slots.slots``).
+        vocab: the speech vocabulary size of the logits.
+    """
+
+    def __init__(self, model: OrtBatchLLM, slots: KVSlots, vocab: int):
+        self.model, self.slots = model, slots
+        self._stepper = model.decoder(slots, vocab)
+        self._rows: list[_Row] = []  # _rows[i] lives in slot i
+        self._pending: list[tuple[_Row, PrefillCache]] = []
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.stats = DecodeStats()
+
+    @property
+    def active(self) -> int:
+        """Rows in the batch now."""
+        return len(self._rows)
+
+    def join(self, row: _Row, cache: PrefillCache) -> None:
+        """Queue a prefilled row; it joins the batch at the next step (when a slot is free)."""
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("the decode scheduler is closed")
+            self._pending.append((row, cache))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="trt-cosy-llm-batch", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def wake(self) -> None:
+        """Re-check cancellations now (a cancelled row frees its slot before the next step)."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop the loop (rows still running get ``RuntimeError``); for tests and shutdown."""
+        with self._changed:
+            self._closed = True
+            thread = self._thread
+            self._changed.notify_all()
+        if thread is not None:
+            thread.join(30.0)
+
+    def _admit(self) -> bool:
+        """Drop cancelled rows, admit pending ones while slots are free; False when closed or idle
+        for ``_IDLE_EXIT_S`` (the thread then ends; ``join`` starts a new one)."""
+        with self._changed:
+            idle_since = time.monotonic()
+            while True:
+                self._drop([i for i, row in enumerate(self._rows) if row.cancelled.is_set()])
+                self._pending = [(r, c) for r, c in self._pending if not r.cancelled.is_set()]
+                while self._pending and len(self._rows) < self.slots.slots:
+                    row, cache = self._pending.pop(0)
+                    self.slots.add(cache)
+                    self._rows.append(row)
+                    self.stats.joined += 1
+                if self._closed:
+                    return False
+                if self._rows:
+                    return True
+                if time.monotonic() - idle_since >= _IDLE_EXIT_S:
+                    self._thread = None
+                    return False
+                self._changed.wait(_IDLE_EXIT_S)
+
+    def _drop(self, indices: list[int], end: object = _END) -> None:
+        """Remove rows (highest index first, so each move keeps the others' indices) and end them."""
+        for index in sorted(indices, reverse=True):
+            row = self._rows[index]
+            moved = self.slots.remove(index)
+            if moved is not None:
+                self._rows[index] = self._rows[moved]
+            self._rows.pop()
+            row.tokens.put(end)
+            self.stats.left += 1
+
+    def _run(self) -> None:
+        try:
+            while self._admit():
+                self._step()
+        finally:
+            with self._changed:
+                error = RuntimeError("the decode scheduler stopped")
+                self._drop(list(range(len(self._rows))), error)
+                for row, _ in self._pending:
+                    row.tokens.put(error)
+                self._pending.clear()
+
+    def _step(self) -> None:
+        rows = list(self._rows)
+        started = time.perf_counter()
+        inputs = np.stack([row.next_input for row in rows])[:, None]  # [B, 1, D]
+        try:
+            logits = self._stepper.step(inputs)  # [B, V]
+            finished = []
+            for index, row in enumerate(rows):
+                token = row.sample(logits[index])
+                if token is not None:
+                    row.tokens.put(token)
+                if row.done:
+                    finished.append(index)
+        except Exception as exc:  # the step failed: every row of it gets the error, the loop goes on
+            _LOGGER.exception("batched decode step failed")
+            with self._changed:
+                self._drop(list(range(len(rows))), exc)
+            return
+        stats = self.stats
+        stats.steps += 1
+        stats.row_steps += len(rows)
+        stats.busy_s += time.perf_counter() - started
+        stats.batch_sizes[len(rows)] = stats.batch_sizes.get(len(rows), 0) + 1
+        with self._changed:
+            self._drop(finished)
+
+
+class BatchedLLMStage(LLMStage):
+    """``LLMStage`` whose decode steps run in the model's shared ``DecodeScheduler``.
+
+    Args:
+        runner: the per-request ``llm`` graph (teacher forcing, and requests whose prompt plus
+            ``max_len`` exceed ``positions``).
+        batch_runner: the ``llm_batch`` graph's ONNX Runtime runner.
+        tables, config: as ``LLMStage``.
+        slots: KV slots = batch size cap (default: ``DEFAULT_SLOTS``).
+        positions: cached positions per slot (default: ``DEFAULT_POSITIONS``).
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        batch_runner: Runner,
+        tables: Mapping[str, np.ndarray],
+        config: LLMConfig,
+        slots: int = DEFAULT_SLOTS,
+        positions: int = DEFAULT_POSITIONS,
+    ):
+        super().__init__(runner, tables, config)
+        qwen = config.qwen
+        self._shape = (qwen.num_layers, qwen.num_kv_heads, qwen.head_dim)
+        load = getattr(batch_runner, "load", None)  # a LazyOrtRunner: create the session now
+        self.batch_model = OrtBatchLLM(load() if load is not None else batch_runner, qwen.num_layers)
+        kv = KVSlots(slots, qwen.num_layers, qwen.num_kv_heads, positions, qwen.head_dim)
+        self.scheduler = DecodeScheduler(self.batch_model, kv, config.speech_vocab_size)
+        _LOGGER.debug(
+            "batched LLM decoding: %d slots of %d positions (%.0f MiB reserved)", slots, positions, kv.nbytes / 2**20
+        )
+
+    def _decode(self, lm_input: np.ndarray, sampler: Sampler, min_len: int, max_len: int) -> Iterator[int]:
+        if max_len <= 0:
+            return
+        if lm_input.shape[1] + max_len > self.scheduler.slots.capacity:
+            _LOGGER.debug("prompt of %d + %d tokens exceeds the KV slots: decoding alone", lm_input.shape[1], max_len)
+            yield from super()._decode(lm_input, sampler, min_len, max_len)
+            return
+        layers, kv_heads, head_dim = self._shape
+        row = _Row(self, sampler, min_len, max_len)
+        started = time.perf_counter()
+        try:
+            cache = PrefillCache(layers, kv_heads, lm_input.shape[1], head_dim)
+            token = row.sample(self.batch_model.prefill(lm_input, cache))  # step 0, in this thread
+            if token is None:
+                return
+            yield token
+            if row.done:
+                return
+            self.scheduler.join(row, cache)
+            del cache
+            while True:
+                item = row.tokens.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not row.done:  # closed early: free the slot now
+                row.cancelled.set()
+                self.scheduler.wake()
+            elapsed = time.perf_counter() - started
+            _LOGGER.debug(
+                "llm (batched): %d tokens in %.3f s (prefill %d positions)",
+                len(row.decoded),
+                elapsed,
+                lm_input.shape[1],
+            )
