@@ -19,6 +19,7 @@ from _support import tiny_engines
 from test_tts import REF_TEXT, reference_wavs
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
+from trt_cosy.errors import InputError
 from trt_cosy.pipeline import Stages, render_chunk
 from trt_cosy.runtime import graphs
 from trt_cosy.stages.flow import FlowStage
@@ -310,10 +311,19 @@ def test_non_streaming_is_one_full_attention_chunk_per_segment(tiny_ort, tiny_vo
 
 
 @pytest.mark.slow
-def test_flow_is_chunk_causal_so_the_fast_schedule_emits_one_chunk_attention_pass(golden, tiny_ort):
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_flow_is_chunk_causal_so_the_fast_schedule_emits_one_chunk_attention_pass(
+    golden, tiny_ort, v2_tiny_dir, backend
+):
     """Frames of completed chunks come out the same in every later call (encoder look-ahead, noise and
     cond aligned): the fast schedule's mel, chunk by chunk, is one chunk-attention pass over all."""
-    model = tiny_ort.model
+    if backend == "torch":
+        pytest.importorskip("torch", reason="the torch reference needs torch")
+        from trt_cosy.build.reference import load_torch_model
+
+        model = load_torch_model(v2_tiny_dir, threads=1)
+    else:
+        model = tiny_ort.model
     flow = FlowStage(
         model.runners[graphs.FLOW_ENCODER.name],
         model.runners[graphs.FLOW_ESTIMATOR.name],
@@ -369,3 +379,23 @@ def test_llm_waits_while_the_first_chunk_renders(tiny_ort, tiny_voice):
     worker.join(30)
     rest = list(chunks)
     assert sum(chunk.timings["tokens"] for chunk in rest) == 100 - 38 and llm.calls == 100
+
+
+@pytest.mark.slow
+def test_fast_schedule_through_the_api_never_runs_the_full_attention_estimator(tiny_ort, tiny_voice):
+    tts, counters = counting(tiny_ort)
+    config = SynthesisConfig(stream=True, text_frontend=False, stream_schedule="fast")
+    chunks = list(tts.synthesize(TEXT_100, tiny_voice, seed=7, config=config))
+    assert [chunk.timings["tokens"] for chunk in chunks] == [38, 50, 12]
+    steps = tiny_ort.model.config.flow.cfm.n_timesteps
+    assert counters["flow_estimator"].calls == 0 and counters["flow_estimator_stream"].calls == 3 * steps
+    official = list(tiny_ort.synthesize(TEXT_100, tiny_voice, seed=7, config=ONE_SEGMENT))
+    for fast, slow in zip(chunks[:2], official[:2], strict=True):  # the same until the final call
+        np.testing.assert_array_equal(fast.samples, slow.samples)
+    assert chunks[2].samples.shape == official[2].samples.shape
+    assert not np.array_equal(chunks[2].samples, official[2].samples)
+
+
+def test_stream_schedule_is_checked():
+    with pytest.raises(InputError, match="stream_schedule must be 'official' or 'fast'"):
+        SynthesisConfig(stream=True, stream_schedule="quick")
