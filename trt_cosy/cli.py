@@ -543,7 +543,8 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
               help="Official release directory instead of --engines: engines are built into the cache when needed.")
 @click.option("--tokens", type=int, default=250, show_default=True, help="Speech tokens per run (25 per second of audio).")
 @click.option("--text", default=None, help="Text to tokenise instead of 24 random text tokens.")
-@click.option("--stream", is_flag=True, help="Also time the first audio of the official streaming schedule.")
+@click.option("--stream", is_flag=True,
+              help="Also time the first audio of a streaming request (3, 5 and 10 s reference voices).")
 @click.option("--runs", type=int, default=3, show_default=True, help="Timed runs (medians and spread).")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs first.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads per session (default: physical cores).")
