@@ -29,7 +29,8 @@ def test_bench_report(engines):
     report = run_bench(engines, options, progress=lines.append)
     assert len(lines) == 4  # 1 warm-up, 2 runs, the cold start
     metrics = report["metrics"]
-    for key in ("llm_prefill_s", "llm_decode_tokens_per_s", "flow_s", "hift_s", "rtf", "first_audio_s"):
+    first_audio = ("first_audio_ref3s", "first_audio_ref5s", "first_audio_ref10s")  # through a Request
+    for key in ("llm_prefill_s", "llm_decode_tokens_per_s", "flow_s", "hift_s", "rtf", *first_audio):
         stats = metrics[key]
         assert 0 < stats["min"] <= stats["median"] <= stats["max"], f"{key}: {stats}"
     assert metrics["tokens"]["median"] == 32  # stop tokens are masked: exactly --tokens decoded
@@ -39,6 +40,7 @@ def test_bench_report(engines):
     assert report["precision"] == "fp32" and report["threads"] == 1
     json.dumps(report)  # JSON-ready
     assert "llm_decode_tokens_per_s" in format_bench(report)
+    assert "LLM worker" in report["streaming"]
 
 
 def test_bench_main_writes_json(engines, tmp_path, capsys):

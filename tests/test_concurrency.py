@@ -120,10 +120,11 @@ def test_asynthesize_consumer_exit_cancels_the_work(tiny_ort, tiny_voice):
 
     first = asyncio.run(first_then_stop())
     assert first.index == 0 and not first.is_last
-    assert llm.blocked.is_set()
-    llm.release.set()  # the held step finishes; the worker sees the stop flag and ends
+    # The LLM waits while the first chunk renders (Request.llm_yield), so at the close it may or may
+    # not have reached step 50; either way it stops there at the latest instead of going on to 60.
+    llm.release.set()  # a held step finishes; the worker sees the stop flag and ends
     _wait_for_no_workers()
-    assert llm.calls == 50 and counters["hift"].calls == 1
+    assert 41 <= llm.calls <= 50 and counters["hift"].calls == 1
 
 
 @pytest.mark.slow

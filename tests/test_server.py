@@ -188,7 +188,8 @@ def test_openai_request_shape_gets_a_wav(served):
 @pytest.mark.slow
 def test_same_seed_same_audio_and_every_format_decodes(served):
     url, _, _ = served
-    body = {"model": "tts-1", "input": "Hi.", "voice": {"id": "alice"}, "seed": 5}
+    # stream: false, the schedule /tts uses by default, so that the two give the same samples.
+    body = {"model": "tts-1", "input": "Hi.", "voice": {"id": "alice"}, "seed": 5, "stream": False}
     pcm = httpx.post(url + "/v1/audio/speech", json={**body, "response_format": "pcm"}, timeout=60)
     again = httpx.post(
         url + "/tts", json={"text": "Hi.", "voice": "alice", "format": "pcm", "seed": 5}, timeout=60
@@ -284,19 +285,54 @@ def test_concurrent_clients_all_get_their_audio(served):
 @pytest.mark.slow
 def test_openai_python_client_streaming_and_not(served):
     openai = pytest.importorskip("openai")
-    url, _, _ = served
+    url, recording, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-unused", max_retries=0, timeout=60)
     assert [model.id for model in client.models.list().data] == ["cosyvoice2"]
     speech = client.audio.speech.create(model="tts-1", voice="alice", input="Hi.", response_format="wav")
     audio, rate = decode(speech.content)
     assert rate == SAMPLE_RATE and audio.shape[0] > 0
     with client.audio.speech.with_streaming_response.create(
-        model="tts-1", voice="alice", input="Hi.", response_format="pcm", extra_body={"stream": True}
+        model="tts-1", voice="alice", input="Hi.", response_format="pcm", extra_body={"stream": False}
     ) as response:
         data = b"".join(response.iter_bytes())
     assert len(data) > 0 and len(data) % 2 == 0
+    assert not getattr(recording.requests[-1]["config"], "stream", False)  # stream: false turns it off
     with pytest.raises(openai.NotFoundError, match="voice 'nobody' does not exist"):
         client.audio.speech.create(model="tts-1", voice="nobody", input="Hi.")
+
+
+@pytest.mark.slow
+def test_openai_python_client_streams_pcm_by_default(served):
+    """No extra fields, as OpenAI's own API: the first pcm bytes arrive before the synthesis ends."""
+    openai = pytest.importorskip("openai")
+    url, recording, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-unused", max_retries=0, timeout=60)
+    first_at, pieces = None, []
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alice", input="Good morning.", response_format="pcm"
+    ) as response:
+        for piece in response.iter_bytes():
+            first_at = first_at or time.perf_counter()
+            pieces.append(piece)
+    record = recording.requests[-1]
+    assert record["config"].stream, record["config"]
+    assert record["finished"] and len(record["times"]) >= 2, record
+    assert first_at < record["times"][-1], (first_at, record["times"])
+    data = b"".join(pieces)
+    assert len(data) >= SAMPLE_RATE and len(data) % 2 == 0
+
+
+@pytest.mark.slow
+def test_server_setting_turns_default_streaming_off(ort_tts, wavs, tmp_path):
+    recording = RecordingTTS(ort_tts)
+    with running_server(recording, tmp_path, stream_speech=False, warmup=False) as url:
+        wait_ready(url)
+        assert upload_voice(url, "alice", wavs["ref"]).status_code == 201
+        body = {"model": "tts-1", "input": "Hi.", "voice": "alice", "response_format": "pcm", "seed": 1}
+        plain = httpx.post(url + "/v1/audio/speech", json=body, timeout=60)
+        asked = httpx.post(url + "/v1/audio/speech", json={**body, "stream": True}, timeout=60)
+    assert plain.status_code == asked.status_code == 200, (plain.text, asked.text)
+    assert [bool(record["config"].stream) for record in recording.requests] == [False, True]
 
 
 @pytest.mark.slow

@@ -214,7 +214,7 @@ def test_client_disconnect_stops_the_synthesis(scripted, voices_dir):
         assert not record["finished"] and len(record["times"]) < 40, len(record["times"])
         # Non-streaming: the client gives up waiting; the server notices between chunks.
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + SPEECH, json={**GOOD, "response_format": "wav"}, timeout=0.5)
+            httpx.post(url + SPEECH, json={**GOOD, "response_format": "wav", "stream": False}, timeout=0.5)
         record = scripted.requests[-1]
         _wait_for(lambda: record["closed"])
         assert not record["finished"] and len(record["times"]) < 40, len(record["times"])

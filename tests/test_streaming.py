@@ -19,11 +19,12 @@ from _support import tiny_engines
 from test_tts import REF_TEXT, reference_wavs
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
+from trt_cosy.errors import InputError
 from trt_cosy.pipeline import Stages, render_chunk
 from trt_cosy.runtime import graphs
 from trt_cosy.stages.flow import FlowStage
 from trt_cosy.stages.vocoder import VocoderCache, VocoderStage
-from trt_cosy.streaming import ChunkPlan, HopSchedule
+from trt_cosy.streaming import FAST_SCHEDULE, ChunkPlan, HopSchedule, hop_schedule
 from trt_cosy.synthesis import llm_prompt, request_rngs
 from trt_cosy.verify.golden import GoldenSet
 
@@ -84,6 +85,17 @@ def test_non_streaming_is_one_final_chunk_when_the_llm_ends():
     assert schedule.next_chunk(500, finished=True) == ChunkPlan(end=500, offset=0, final=True)
     short = HopSchedule(37, stream=True)
     assert short.next_chunk(40, finished=True) == ChunkPlan(end=40, offset=0, final=True)
+
+
+def test_fast_schedule_doubles_past_100_and_keeps_chunk_attention_to_the_end():
+    plans = hop_schedule(37, True, 25, 3, FAST_SCHEDULE).plan_all(38 + 50 + 100 + 200 + 3 + 9)
+    hops = [plan.end - 3 - plan.offset for plan in plans[:-1]]
+    assert hops == [38, 50, 100, 200]
+    assert plans[-1] == ChunkPlan(end=400, offset=388, final=True, chunk_attention=True)
+    assert all(plan.streaming for plan in plans)
+    # Not streaming: one full-attention call, whatever the schedule.
+    (whole,) = hop_schedule(37, False, 25, 3, FAST_SCHEDULE).plan_all(400)
+    assert whole == ChunkPlan(end=400, offset=0, final=True) and not whole.streaming
 
 
 # ----------------------------------------------------------------------------- golden parity
@@ -296,3 +308,94 @@ def test_non_streaming_is_one_full_attention_chunk_per_segment(tiny_ort, tiny_vo
     assert chunk.timings["tokens"] == 60 and chunk.samples.shape[0] == 60 * 960 and chunk.is_last
     assert counters["hift"].calls == 1 and counters["flow_estimator_stream"].calls == 0
     assert counters["flow_estimator"].calls == tiny_ort.model.config.flow.cfm.n_timesteps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_flow_is_chunk_causal_so_the_fast_schedule_emits_one_chunk_attention_pass(
+    golden, tiny_ort, v2_tiny_dir, backend
+):
+    """Frames of completed chunks come out the same in every later call (encoder look-ahead, noise and
+    cond aligned): the fast schedule's mel, chunk by chunk, is one chunk-attention pass over all."""
+    if backend == "torch":
+        pytest.importorskip("torch", reason="the torch reference needs torch")
+        from trt_cosy.build.reference import load_torch_model
+
+        model = load_torch_model(v2_tiny_dir, threads=1)
+    else:
+        model = tiny_ort.model
+    flow = FlowStage(
+        model.runners[graphs.FLOW_ENCODER.name],
+        model.runners[graphs.FLOW_ESTIMATOR.name],
+        model.runners[graphs.FLOW_ESTIMATOR_STREAM.name],
+        model.flow_noise,  # [1, 80, 15000]: the golden noise covers only the golden lengths
+        model.config.flow,
+    )
+    meta = golden.meta["streampad"]
+    prompt = (
+        golden["in_prompt_speech_token"][:, : meta["prompt_tokens"]].astype(np.int64),
+        golden["in_prompt_feat"][:, : meta["prompt_feat_frames"]],
+        golden["in_spk_embedding"],
+    )
+    tokens = np.random.default_rng(0).integers(0, model.config.flow.vocab_size, (1, 230))  # [1, 230]
+    whole = flow.token2mel(tokens, *prompt, streaming=True, finalize=True).mel  # [1, 80, 460]
+    assert whole.shape[2] == 460
+    for schedule in ("official", FAST_SCHEDULE):
+        plans = hop_schedule(meta["prompt_tokens"], True, 25, 3, schedule).plan_all(tokens.shape[1])
+        pieces = [
+            flow.token2mel(tokens[:, : plan.end], *prompt, streaming=plan.streaming, finalize=plan.final).mel[
+                :, :, 2 * plan.offset :
+            ]
+            for plan in plans
+        ]
+        mel = np.concatenate(pieces, axis=2)  # [1, 80, 460]
+        assert mel.shape == whole.shape, schedule
+        last = 2 * plans[-1].offset  # the official final call has full attention from here on
+        error = float(np.abs(mel[:, :, :last] - whole[:, :, :last]).max())
+        assert error <= 1e-4, (schedule, error)
+        tail = float(np.abs(mel[:, :, last:] - whole[:, :, last:]).max())
+        if schedule == FAST_SCHEDULE:
+            assert tail <= 1e-4, tail
+        else:  # full attention differs from chunk attention: the test can tell them apart
+            assert tail > 1e-3, tail
+
+
+@pytest.mark.slow
+def test_llm_waits_while_the_first_chunk_renders(tiny_ort, tiny_voice):
+    """The first chunk renders with the cores to itself: the LLM takes no step until it is done."""
+    tts, counters = counting(tiny_ort, flow_estimator_stream={"block_at": 1})
+    estimator, llm = counters["flow_estimator_stream"], counters["llm"]
+    chunks = tts.synthesize(TEXT_100, tiny_voice, seed=6, config=ONE_SEGMENT)
+    worker = threading.Thread(target=lambda: next(chunks))
+    worker.start()
+    try:
+        assert estimator.blocked.wait(30), "the first chunk never reached the flow"
+        held_at = llm.calls
+        time.sleep(0.5)
+        assert llm.calls <= held_at + 1, (held_at, llm.calls)  # at most the step under way finishes
+        assert held_at < 100
+    finally:
+        estimator.release.set()
+    worker.join(30)
+    rest = list(chunks)
+    assert sum(chunk.timings["tokens"] for chunk in rest) == 100 - 38 and llm.calls == 100
+
+
+@pytest.mark.slow
+def test_fast_schedule_through_the_api_never_runs_the_full_attention_estimator(tiny_ort, tiny_voice):
+    tts, counters = counting(tiny_ort)
+    config = SynthesisConfig(stream=True, text_frontend=False, stream_schedule="fast")
+    chunks = list(tts.synthesize(TEXT_100, tiny_voice, seed=7, config=config))
+    assert [chunk.timings["tokens"] for chunk in chunks] == [38, 50, 12]
+    steps = tiny_ort.model.config.flow.cfm.n_timesteps
+    assert counters["flow_estimator"].calls == 0 and counters["flow_estimator_stream"].calls == 3 * steps
+    official = list(tiny_ort.synthesize(TEXT_100, tiny_voice, seed=7, config=ONE_SEGMENT))
+    for fast, slow in zip(chunks[:2], official[:2], strict=True):  # the same until the final call
+        np.testing.assert_array_equal(fast.samples, slow.samples)
+    assert chunks[2].samples.shape == official[2].samples.shape
+    assert not np.array_equal(chunks[2].samples, official[2].samples)
+
+
+def test_stream_schedule_is_checked():
+    with pytest.raises(InputError, match="stream_schedule must be 'official' or 'fast'"):
+        SynthesisConfig(stream=True, stream_schedule="quick")

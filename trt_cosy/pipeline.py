@@ -26,7 +26,7 @@ from .stages.flow import FlowStage
 from .stages.llm import LLMStage
 from .stages.sampling import RASSampler
 from .stages.vocoder import VocoderCache, VocoderStage
-from .streaming import ChunkPlan, HopSchedule
+from .streaming import OFFICIAL_SCHEDULE, ChunkPlan, HopSchedule, hop_schedule
 from .synthesis import AudioChunk, LLMPrompt, Segment, llm_prompt, request_rngs
 
 if TYPE_CHECKING:
@@ -59,6 +59,8 @@ class TokenFeed:
         self._llm_seconds = [0.0] * segments
         self._error: BaseException | None = None
         self._stop = threading.Event()
+        self._may_decode = threading.Event()  # cleared while the consumer renders with the cores to itself
+        self._may_decode.set()
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -78,8 +80,22 @@ class TokenFeed:
     def cancel(self) -> None:
         """Ask the worker to stop after its current LLM step and wake any waiting consumer (thread-safe)."""
         self._stop.set()
+        self._may_decode.set()  # a held worker must see the stop flag
         with self._changed:
             self._changed.notify_all()
+
+    def hold(self) -> None:
+        """Pause the worker before its next LLM step until ``release`` (thread-safe).
+
+        For a consumer about to render on cores the LLM's threads would share: one LLM step at most
+        overlaps the render instead of the whole chunk (2 + 2 intra-op threads on 2 cores run both
+        stages at well under half speed each).
+        """
+        self._may_decode.clear()
+
+    def release(self) -> None:
+        """Let a held worker decode again (thread-safe, idempotent)."""
+        self._may_decode.set()
 
     def close(self) -> None:
         """Cancel and join the worker (idempotent)."""
@@ -135,7 +151,9 @@ class TokenFeed:
 
     def _decode_segment(self, segment: int) -> bool:
         """Decode one segment; False when stopped early."""
+        self._may_decode.wait()
         started = time.perf_counter()
+        held = 0.0  # seconds spent paused by ``hold``: not LLM time
         stream = self._decode(segment)
         try:
             for token in stream:
@@ -144,15 +162,19 @@ class TokenFeed:
                     return False
                 with self._changed:
                     self._tokens[segment].append(int(token))
-                    self._llm_seconds[segment] = time.perf_counter() - started
+                    self._llm_seconds[segment] = time.perf_counter() - started - held
                     self._changed.notify_all()
+                if not self._may_decode.is_set():
+                    paused = time.perf_counter()
+                    self._may_decode.wait()
+                    held += time.perf_counter() - paused
         finally:
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
         with self._changed:
             self._finished[segment] = True
-            self._llm_seconds[segment] = time.perf_counter() - started
+            self._llm_seconds[segment] = time.perf_counter() - started - held
             self._changed.notify_all()
         return not self._stop.is_set()
 
@@ -215,7 +237,15 @@ class Request:
         max_new_tokens: cap on speech tokens per segment (the flow's fixed noise must cover them).
         prompt: what the LLM gets besides the text (spec §2.4); None: ``llm_prompt(voice)``
             (zero-shot with a transcript, else cross-lingual).
+        schedule: the streaming schedule of CosyVoice2/3 (``trt_cosy.streaming.SCHEDULES``).
+
+    ``llm_yield`` (class attribute; set it on an instance before iterating to change one request):
+    when the LLM worker pauses while this thread renders a chunk. ``"first"``: during the first
+    chunk of the request, so first audio gets the cores alone; ``"always"``: during every chunk;
+    ``"never"``: the stages share the cores. docs/benchmarks.md has the measurements behind the default.
     """
+
+    llm_yield: str = "first"
 
     def __init__(
         self,
@@ -227,9 +257,11 @@ class Request:
         stream: bool,
         max_new_tokens: int,
         prompt: LLMPrompt | None = None,
+        schedule: str = OFFICIAL_SCHEDULE,
     ):
         self.stages, self.config, self.segments, self.voice = stages, config, segments, voice
         self.stream = stream
+        self.schedule = schedule
         self.max_new_tokens = max_new_tokens
         self.prompt = prompt if prompt is not None else LLMPrompt(*llm_prompt(voice))
         llm_rng, self.vocoder_rng = request_rngs(seed)
@@ -272,13 +304,14 @@ class Request:
             )
 
     def _schedule(self) -> HopSchedule:
-        """Where the chunks of one segment fall (official CosyVoice2 hops, or one final chunk)."""
+        """Where the chunks of one segment fall (CosyVoice2 hops of ``schedule``, or one final chunk)."""
         encoder = self.config.flow.encoder
-        return HopSchedule(
+        return hop_schedule(
             self.voice.speech_tokens.shape[0],
             self.stream,
             encoder.static_chunk_size,
             encoder.pre_lookahead_len,
+            self.schedule,
         )
 
     def _new_state(self) -> VocoderCache:
@@ -307,7 +340,13 @@ class Request:
             if plan is None:  # cannot happen: wait returns when the next chunk is ready
                 continue
             rendered = time.perf_counter()
-            samples, flow_s, vocoder_s = self._render(tokens, plan, cache)
+            hold = self.llm_yield == "always" or (self.llm_yield == "first" and self.first_audio_s is None)
+            if hold:
+                self.feed.hold()
+            try:
+                samples, flow_s, vocoder_s = self._render(tokens, plan, cache)
+            finally:
+                self.feed.release()
             is_last = plan.final and index == len(self.segments) - 1
             timings = self._timings(index, plan, samples, started, rendered - waited, flow_s, vocoder_s)
             yield AudioChunk(

@@ -25,7 +25,7 @@ from .models.v3.stages import V3VocoderCache, V3VocoderStage, filter_silent_toke
 from .pipeline import Request
 from .stages.flow import FlowStage
 from .stages.llm import LLMStage
-from .streaming import ChunkPlan, HopSchedule
+from .streaming import ChunkPlan, HopSchedule, hop_schedule
 
 __all__ = ["V1Stages", "V3Stages", "V1Schedule", "V1Request", "V3Request"]
 
@@ -146,11 +146,12 @@ class V3Request(Request):
         return filter_silent_tokens(super()._decode(index))
 
     def _schedule(self) -> HopSchedule:
-        return HopSchedule(
+        return hop_schedule(
             self.voice.speech_tokens.shape[0],
             self.stream,
             self.config.chunk_size,
             self.config.flow.encoder.pre_lookahead_len,
+            self.schedule,
         )
 
     def _new_state(self) -> V3VocoderCache:

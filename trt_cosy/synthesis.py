@@ -115,6 +115,11 @@ class SynthesisConfig:
     """Yield audio while the LLM is still speaking: several chunks per text segment on the official
     streaming schedule (CosyVoice2/3: hops of 25 + prompt padding, 50, then 100 speech tokens = 1, 2,
     4 s; CosyVoice 1: 100 tokens = 2 s with a 20-token overlap). False: one chunk per text segment."""
+    stream_schedule: str = "official"
+    """With ``stream``, CosyVoice2/3: ``"official"`` (the hops above, then a full-attention call over the
+    whole segment) or ``"fast"``, trt-cosy's cheaper schedule: hops keep doubling past 100 tokens and the
+    last call keeps chunk attention; its audio differs from the official schedule's (trt_cosy.streaming,
+    docs/benchmarks.md)."""
     instruct: str | None = None
     """An instruction on how to speak (style, emotion, dialect, role), official instruct modes:
     CosyVoice-300M-Instruct with a preset speaker (``inference_instruct``), CosyVoice2/3 with a
@@ -124,6 +129,8 @@ class SynthesisConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.stream, bool):
             raise InputError(f"stream must be True or False, got {self.stream!r}.")
+        if self.stream_schedule not in ("official", "fast"):
+            raise InputError(f"stream_schedule must be 'official' or 'fast', got {self.stream_schedule!r}.")
         if self.max_text_tokens is not None and (
             not isinstance(self.max_text_tokens, int) or self.max_text_tokens < 1
         ):

@@ -277,8 +277,20 @@ class CosyVoice:
         split = None if config.text_frontend is False else self._normalizer_for(config.normalizer).split
         segments = plan_segments(text, split, self.tokenizer.encode, limit)
         request_class = families.request_class(self.family)
+        if config.stream_schedule != "official" and self.family == "v1":
+            raise InputError(
+                "stream_schedule 'fast' is for CosyVoice2/3; CosyVoice 1 streams on its own schedule."
+            )
         return request_class(
-            self._stages, self.model.config, segments, voice, seed, config.stream, budget, prompt
+            self._stages,
+            self.model.config,
+            segments,
+            voice,
+            seed,
+            config.stream,
+            budget,
+            prompt,
+            schedule=config.stream_schedule,
         )
 
     def llm_prompt(self, voice: Voice, instruct: str | None = None) -> LLMPrompt:

@@ -40,6 +40,9 @@ class ServerSettings:
     """Longest reference audio accepted, seconds (the speech tokenizer's limit is 30)."""
     max_json_bytes: int = 256 * 1024
     """Largest JSON request body, bytes (413 beyond)."""
+    stream_speech: bool = True
+    """``/v1/audio/speech`` streams wav and pcm as they are made when the body has no ``stream`` field (as
+    OpenAI's API does); False: only when the body says ``"stream": true``. ``/tts`` streams only on request."""
     warmup: bool = True
     """Synthesise once at start; ``/health`` says ready only after it."""
     api_key: str | None = field(default=None, repr=False)

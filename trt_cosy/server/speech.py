@@ -42,14 +42,14 @@ class SpeechRequest(_Strict):
     model: str = "cosyvoice2"
     response_format: str | None = None
     speed: float = 1.0
-    stream: bool = False
+    stream: bool | None = None  # None: the server's ``stream_speech`` setting (True unless changed)
     stream_format: Literal["audio", "sse"] | None = None
     instructions: str | None = None
     seed: int | None = Field(default=None, ge=0)
 
 
 class SimpleTTSRequest(_Strict):
-    """``POST /tts``: the plain form."""
+    """``POST /tts``: the plain form; one complete file unless ``stream`` is true."""
 
     text: str
     voice: str
@@ -143,7 +143,7 @@ def speech_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/audio/speech")
     async def create_speech(body: SpeechRequest, request: Request) -> Response:
-        """OpenAI-compatible speech; ``stream`` sends wav/pcm as it is made."""
+        """OpenAI-compatible speech: wav/pcm stream as they are made (as OpenAI's do) unless ``stream`` is false."""
         if body.stream_format == "sse":
             raise APIError(
                 400, "stream_format 'sse' is not supported; use 'audio'.", "unsupported_stream_format"
@@ -156,7 +156,10 @@ def speech_router(state: ServerState) -> APIRouter:
                 "instructions",
             )
         voice = body.voice if isinstance(body.voice, str) else body.voice.id
-        stream = body.stream or body.stream_format == "audio"
+        if body.stream is not None:
+            stream = body.stream
+        else:
+            stream = body.stream_format == "audio" or state.settings.stream_speech
         response_format = body.response_format or default_format
         return await _synthesize(
             state, request, body.input, voice, response_format, stream, body.seed, body.speed
