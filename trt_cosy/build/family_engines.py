@@ -73,6 +73,8 @@ def check_family_options(model_dir: Path, backend: str, precision: str) -> str:
     from .tensorrt import TRT_FAMILIES
 
     family = release_family(model_dir)
+    if backend == "openvino":  # every family: the plain exports converted (build.openvino)
+        return family
     if backend == "tensorrt":
         supported = TRT_FAMILIES
     elif precision != "fp32":

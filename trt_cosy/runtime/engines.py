@@ -40,6 +40,7 @@ _LOGGER = logging.getLogger(__name__)
 
 ORT_BACKEND: Final = "onnxruntime"
 TRT_BACKEND: Final = "tensorrt"
+OV_BACKEND: Final = "openvino"
 # File names inside an engines directory, shared with the builder (trt_cosy/build/engines.py).
 TABLE_NAMES: Final = ("text_embedding", "speech_embedding", "llm_embedding")  # <name>.npy
 MODEL_CONFIG_NAME: Final = "model_config.json"
@@ -94,6 +95,8 @@ def load_engines(
         runners: dict[str, Runner] = dict(
             load_plan_runners(engines_dir, slots, checkpoint=checkpoint_digest(manifest.checkpoint))
         )
+    elif backend == OV_BACKEND:
+        runners = _load_openvino_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
     else:
         runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
     tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}
@@ -139,6 +142,34 @@ def _load_runners(
             )
         loader = LazyOrtRunner if name in lazy_graphs else OrtRunner.from_path
         runners[name] = loader(engines_dir / record.file, name, threads, exported=True)
+    return runners
+
+
+def _load_openvino_runners(
+    engines_dir: Path,
+    manifest: Manifest,
+    specs: dict[str, graphs.GraphSpec],
+    threads: int | None,
+    lazy_graphs: Collection[str],
+) -> dict[str, Runner]:
+    """OpenVINO IR per graph, compiled in the precision ``graph_precisions`` gives its engines."""
+    from .openvino import LazyOvRunner, OvRunner, graph_precisions, load_openvino
+
+    ov = load_openvino()
+    computes = graph_precisions(manifest.precision, tuple(specs))
+    core = ov.Core()
+    runners: dict[str, Runner] = {}
+    for name in specs:
+        record = manifest.graphs.get(name)
+        if record is None:
+            raise EngineMismatchError(
+                f"{engines_dir} has no '{name}' graph. Rebuild it: run `trt-cosy build --backend openvino "
+                f"--model-dir DIR --out {engines_dir}`."
+            )
+        if name in lazy_graphs:
+            runners[name] = LazyOvRunner(engines_dir / record.file, name, threads, computes[name])
+        else:
+            runners[name] = OvRunner.from_path(engines_dir / record.file, name, threads, computes[name], core)
     return runners
 
 
