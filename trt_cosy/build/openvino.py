@@ -27,7 +27,13 @@ import numpy as np
 from ..errors import BuildError
 from ..runtime.openvino import IR_SUFFIX, load_openvino
 
-__all__ = ["INT4_GROUP", "LLM_GRAPHS", "convert_engine_graphs", "compress_matmul_weights"]
+__all__ = [
+    "INT4_GROUP",
+    "LLM_GRAPHS",
+    "convert_engine_graphs",
+    "compress_matmul_weights",
+    "derive_openvino_engines",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -139,3 +145,74 @@ def _int4_tensor(ov: Any, values: np.ndarray) -> Any:
     tensor = ov.Tensor(ov.Type.i4, ov.Shape(list(values.shape)))
     tensor.data[...] = packed.view(np.int8)
     return tensor
+
+
+def derive_openvino_engines(
+    fp32_dir: Path, out_dir: Path, precision: str, progress: Progress | None = None
+) -> Path:
+    """Make ``precision`` OpenVINO engines from fp32 OpenVINO engines without re-exporting.
+
+    The fp32 directory is copied (hard links; a rewritten graph is written to a new file) to a
+    staging directory next to ``out_dir`` (which must not exist); ``int8``/``int4`` compress the
+    LLM's weights (``compress_matmul_weights``); ``bf16`` changes only the manifest (what a graph
+    computes in is decided at load time). The manifest gets the new precision and file sizes.
+    """
+    import dataclasses
+    import os
+    import shutil
+    import tempfile
+
+    from ..errors import InputError
+    from ..runtime.manifest import MANIFEST_NAME, Manifest
+    from ..runtime.openvino import OV_BACKEND, OV_PRECISIONS
+
+    fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
+    manifest = Manifest.read(fp32_dir)
+    if manifest.backend != OV_BACKEND or manifest.precision != "fp32":
+        raise InputError(
+            f"{fp32_dir} holds {manifest.backend}/{manifest.precision} engines; derive from OpenVINO fp32 "
+            "engines (`trt-cosy build --backend openvino --precision fp32`)."
+        )
+    if precision not in OV_PRECISIONS:
+        raise InputError(f"precision {precision!r} is unknown; use {', '.join(OV_PRECISIONS)}.")
+    if out_dir.exists():
+        raise InputError(f"{out_dir} exists; choose a new directory for the {precision} engines.")
+    ov = load_openvino()
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        shutil.copytree(fp32_dir, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
+        (staging / MANIFEST_NAME).unlink()  # a hard link to the fp32 manifest: never write through it
+        for name in LLM_GRAPHS & set(manifest.graphs) if precision in _BITS else ():
+            start = time.perf_counter()
+            xml = staging / manifest.graphs[name].file
+            model = ov.Core().read_model(str(fp32_dir / manifest.graphs[name].file))
+            count = compress_matmul_weights(model, _BITS[precision])
+            xml.unlink()
+            xml.with_suffix(".bin").unlink()
+            ov.save_model(model, str(xml), compress_to_fp16=False)
+            del model
+            message = f"{name}: {count} MatMul weights {precision} in {time.perf_counter() - start:.1f} s"
+            _LOGGER.info("%s", message)
+            if progress is not None:
+                progress(message)
+        files = {
+            path.relative_to(staging).as_posix(): path.stat().st_size
+            for path in sorted(staging.rglob("*"))
+            if path.is_file() and path.name != MANIFEST_NAME
+        }
+        dataclasses.replace(manifest, precision=precision, files=files).write(staging)
+        os.chmod(staging, 0o755)
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    import os
+    import shutil
+
+    try:
+        os.link(source, target)  # graphs are replaced by new files, never written through a link
+    except OSError:
+        shutil.copy2(source, target)
