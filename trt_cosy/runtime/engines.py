@@ -41,6 +41,7 @@ _LOGGER = logging.getLogger(__name__)
 ORT_BACKEND: Final = "onnxruntime"
 TRT_BACKEND: Final = "tensorrt"
 OV_BACKEND: Final = "openvino"
+AUTO_BACKEND: Final = "auto"  # load_engines: the manifest's backend
 # File names inside an engines directory, shared with the builder (trt_cosy/build/engines.py).
 TABLE_NAMES: Final = ("text_embedding", "speech_embedding", "llm_embedding")  # <name>.npy
 MODEL_CONFIG_NAME: Final = "model_config.json"
@@ -83,9 +84,13 @@ def load_engines(
     TensorRT version or checkpoint is refused, never used. On ONNX Runtime the graphs named in
     ``lazy_graphs`` (default ``LAZY_GRAPHS``: the streaming flow estimator) get a ``LazyOrtRunner``
     whose session is created by its first call; pass ``()`` to create every session now.
+    ``backend="openvino"`` compiles the OpenVINO IR of each graph (``runtime.openvino``; lazy graphs
+    on first use); ``backend="auto"`` loads the engines on the backend their manifest names.
     """
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
+    if backend == AUTO_BACKEND:  # the backend the engines were built for
+        backend = manifest.backend
     manifest.check(engines_dir, model_dir, backend=backend)
     config = model_config_from_dict(_read_json(engines_dir / MODEL_CONFIG_NAME))
     if backend == TRT_BACKEND:
