@@ -153,6 +153,9 @@ def test_precision_plan():
         plan = graph_precisions(precision, names)
         assert plan["hift"] == "fp32" and "hift" in FP32_GRAPHS  # measured: bf16 HiFT is 15 dB
         assert {plan[name] for name in names if name != "hift"} == {"bf16"}
+    v3 = graph_precisions("int4", tuple(graph_specs("v3")))
+    assert v3["hift"] == v3["hift_stream"] == "fp32" and v3["flow_estimator"] == "bf16"
+    assert graph_precisions("bf16", tuple(graph_specs("v1")))["v1_hift"] == "fp32"
     with pytest.raises(EngineMismatchError, match="unknown"):
         graph_precisions("fp16", names)
 

@@ -45,7 +45,7 @@ OV_BACKEND: Final = "openvino"
 OV_PRECISIONS: Final = ("fp32", "bf16", "int8", "int4")
 IR_SUFFIX: Final = ".xml"  # the weights are the .bin next to it
 # Graphs that stay float32 in the reduced precisions (measured: docs/precision.md, "OpenVINO").
-FP32_GRAPHS: Final = frozenset({"hift", "v1_hift"})
+FP32_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift"})
 _HINTS: Final = {"fp32": "f32", "bf16": "bf16"}
 _DEVICE: Final = "CPU"
 _DECODER_INPUTS: Final = ("inputs_embeds", "past_keys", "past_values")
