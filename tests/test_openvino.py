@@ -57,18 +57,23 @@ def _release(factory, family: str) -> Path:
     return tiny_release(factory, V2_GOLDEN) if family == "v2" else family_release(factory, family)
 
 
-@pytest.fixture(scope="module")
-def releases(tmp_path_factory) -> dict[str, Path]:
-    return {family: _release(tmp_path_factory, family) for family in FAMILIES}
+class _Built(dict):
+    """family -> fp32 OpenVINO engines, each built on first use (one export per family)."""
+
+    def __init__(self, factory: pytest.TempPathFactory):
+        super().__init__()
+        self._factory = factory
+        self._root = factory.mktemp("ov-fp32")
+
+    def __missing__(self, family: str) -> Path:
+        release = _release(self._factory, family)
+        self[family] = build_engines(release, self._root / family, backend="openvino", precision="fp32")
+        return self[family]
 
 
 @pytest.fixture(scope="module")
-def fp32(releases, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ov-fp32")
-    return {
-        family: build_engines(release, root / family, backend="openvino", precision="fp32")
-        for family, release in releases.items()
-    }
+def fp32(tmp_path_factory) -> _Built:
+    return _Built(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +97,13 @@ def _inputs(family: str) -> QualityInputs:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fp32_engines_pass_the_golden_set(fp32, releases, family):
+def test_fp32_engines_pass_the_golden_set(fp32, tmp_path_factory, family):
     """`trt-cosy verify --backend openvino` on fp32 OpenVINO engines (every stage, all tolerances)."""
     result = CliRunner().invoke(
         main,
         [
             "verify",
-            "--model-dir", str(releases[family]),
+            "--model-dir", str(_release(tmp_path_factory, family)),
             "--golden", str(GOLDEN_SETS[family] / "reference.npz"),
             "--backend", "openvino",
             "--engines", str(fp32[family]),
@@ -141,9 +146,9 @@ def test_a_stale_ir_file_is_refused(fp32, tmp_path):
         load_engines(copy, backend="openvino")
 
 
-def test_build_refuses_unknown_precisions(releases, tmp_path):
+def test_build_refuses_unknown_precisions(tmp_path_factory, tmp_path):
     with pytest.raises(InputError, match="precision 'fp16' is not available for the openvino backend"):
-        build_engines(releases["v2"], tmp_path / "x", backend="openvino", precision="fp16")
+        build_engines(_release(tmp_path_factory, "v2"), tmp_path / "x", backend="openvino", precision="fp16")
 
 
 def test_precision_plan():
@@ -237,7 +242,7 @@ def test_pinned_sinusoid_arguments_are_not_returned(fp32):
 
 def test_kv_decoder_matches_feeding_the_cache_back(fp32):
     runner = OvRunner.from_path(fp32["v2"] / "llm.xml", "llm", threads=1)
-    qwen = load_engines(fp32["v2"], threads=1, backend="openvino").config.qwen
+    qwen = load_engines(fp32["v2"], threads=1, backend="openvino").config.llm.qwen
     shape = (qwen.num_layers, 1, qwen.num_kv_heads, 0, qwen.head_dim)
     rng = np.random.default_rng(0)
     steps = [rng.standard_normal((1, t, qwen.hidden_size)).astype(np.float32) for t in (5, 1, 1, 3, 1)]
