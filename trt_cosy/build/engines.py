@@ -218,10 +218,13 @@ def _write_engines(
     config = model.config
     del model  # the torch weights (2+ GB at full size) are not needed past this point
     gc.collect()
-    records = {name: _graph_record(result, staging) for name, result in results.items()}
+    records: dict[str, GraphRecord] = {}
     if backend == "openvino":  # the plain exports (no ONNX Runtime contrib ops) to OpenVINO IR
         from .openvino import convert_engine_graphs
 
+        records = {
+            name: _graph_record(result, staging) for name, result in results.items()
+        }  # I/O as exported
         ir_files = convert_engine_graphs(staging, list(results), precision, progress=emit)
         records = {name: dataclasses.replace(rec, file=ir_files[name]) for name, rec in records.items()}
     elif backend == "tensorrt":
@@ -244,7 +247,7 @@ def _write_engines(
         precision=precision,
         opset=OPSET,
         checkpoint=hashes,
-        graphs=records,
+        graphs=records or {name: _graph_record(result, staging) for name, result in results.items()},
         files=_file_sizes(staging),
     )
     manifest.write(staging)
