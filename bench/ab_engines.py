@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     options = BenchOptions(tokens=args.tokens, threads=args.threads)
     setups = []
     for directory in args.engines:
-        model = load_engines(directory, threads=args.threads)
+        model = load_engines(directory, threads=args.threads, backend="auto")
         setups.append((_Stages(model), _inputs(model, directory, options)))
     runs: dict[str, list[dict[str, float]]] = {str(d): [] for d in args.engines}
     for round_index in range(args.runs + 1):

@@ -24,8 +24,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    reference = load_engines(args.reference, threads=args.threads)
-    candidate = load_engines(args.candidate, threads=args.threads)
+    reference = load_engines(args.reference, threads=args.threads, backend="auto")
+    candidate = load_engines(args.candidate, threads=args.threads, backend="auto")
     inputs = None
     if args.golden is not None:
         with np.load(args.golden) as data:

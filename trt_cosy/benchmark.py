@@ -260,7 +260,7 @@ def run_bench(
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
     start = time.perf_counter()
-    model = load_engines(engines_dir, threads=options.threads)
+    model = load_engines(engines_dir, threads=options.threads, backend="auto")
     stages = _Stages(model)
     load_s = time.perf_counter() - start
     inputs = _inputs(model, engines_dir, options)
@@ -347,7 +347,7 @@ def format_bench(report: dict[str, Any]) -> str:
 
 def _ready(engines_dir: Path, threads: int | None) -> None:
     """The cold-start child: load, build the stages, report ready with the RSS in GB."""
-    _Stages(load_engines(engines_dir, threads=threads))
+    _Stages(load_engines(engines_dir, threads=threads, backend="auto"))
     print(f"{_READY} {_peak_rss_gb():.3f}", flush=True)
 
 

@@ -15,7 +15,7 @@ from .serving.cli import ray_serve_options, triton_repo
 
 _LOGGER = logging.getLogger(__name__)
 
-_BACKENDS = ("torch", "onnxruntime", "tensorrt")
+_BACKENDS = ("torch", "onnxruntime", "tensorrt", "openvino")
 
 
 class _Group(click.Group):
@@ -70,10 +70,11 @@ def _add_verbose_option(command: click.Command) -> None:
 @click.option("--model-dir", required=True, type=click.Path(path_type=Path), help="Official release directory.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Engines directory to write (e.g. engines/cosyvoice2/onnxruntime-fp32).")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True)
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default=None,
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "openvino"]), default="onnxruntime",
+              show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Default: int4 for onnxruntime (4-bit LLM, int8 flow; fp32 for `trt-cosy verify` parity), "
-                   "fp16 for tensorrt. See docs/precision.md.")
+                   "fp16 for tensorrt, bf16 for openvino. See docs/precision.md.")
 @click.option("--force", is_flag=True, help="Rebuild even when the manifest says nothing changed.")
 @click.option("--onnx-only", is_flag=True,
               help="TensorRT: write fp16 graphs, profiles and manifest only (no GPU needed); plans come later.")
@@ -98,7 +99,7 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
               help="A golden reference.npz made by the official code.")
 @click.option("--backend", type=click.Choice(_BACKENDS), default="torch", show_default=True)
 @click.option("--engines", type=click.Path(path_type=Path), default=None,
-              help="Engines directory (onnxruntime / tensorrt backends).")
+              help="Engines directory (onnxruntime / tensorrt / openvino backends).")
 @click.option("--threads", type=int, default=None, help="CPU threads for the backend.")
 def verify(model_dir: Path, golden: Path, backend: str, engines: Path | None, threads: int | None) -> None:
     """Compare every stage with the official outputs in a golden file (CosyVoice 1, 2 or 3); exit 1 on any failure."""

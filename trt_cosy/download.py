@@ -58,7 +58,7 @@ _WEB: Final = {"huggingface": "https://huggingface.co/", "modelscope": "https://
 _BACKEND: Final = "onnxruntime"
 # What `trt-cosy build` and the engines cache use when no --precision is given (docs/precision.md,
 # "Default"): weight-only int4 LLM + int8 flow on CPUs, fp16 plans on GPUs.
-DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16"}
+DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16", "openvino": "bf16"}
 
 Progress = Callable[[str], None]
 

@@ -50,12 +50,31 @@ _LOGGER = logging.getLogger(__name__)
 
 _ORT_NAMES: Final = ("auto", "onnxruntime", "ort")
 _TRT_NAMES: Final = ("trt", "tensorrt")
+_OV_NAMES: Final = ("openvino", "ov")
 
 
 def model_id_from_checkpoint(family: str, checkpoint_hashes: Mapping[str, str]) -> str:
     """A short id of a checkpoint (``"v2-<16 hex>"``) from the sha256 of its files; voices record it."""
     digest = hashlib.sha256(json.dumps(dict(sorted(checkpoint_hashes.items()))).encode("utf-8"))
     return f"{family}-{digest.hexdigest()[:16]}"
+
+
+def _engine_backend(backend: str, path: Path) -> str:
+    """The ``load_engines`` backend for a ``CosyVoice.load`` backend name; ``"auto"`` follows the
+    manifest for OpenVINO engines (a missing or unreadable manifest is reported by ``load_engines``)."""
+    if backend in _TRT_NAMES:
+        return "tensorrt"
+    if backend in _OV_NAMES:
+        return "openvino"
+    if backend == "auto":
+        from .runtime.manifest import Manifest
+
+        try:
+            if Manifest.read(path).backend == "openvino":
+                return "openvino"
+        except EngineMismatchError:
+            pass
+    return "onnxruntime"
 
 
 class CosyVoice:
@@ -100,8 +119,10 @@ class CosyVoice:
         Args:
             path: the engines directory (``manifest.json``, the graphs, ``tokenizer/``, ``campplus.onnx``,
                 ``speakers.npz`` for the -SFT/-Instruct releases...).
-            backend: ``"auto"`` / ``"onnxruntime"`` (CPU), or ``"trt"`` / ``"tensorrt"`` (the plans of an
-                engines directory built with ``trt-cosy build --backend tensorrt``; NVIDIA GPU).
+            backend: ``"auto"`` (OpenVINO engines on OpenVINO, any other on ONNX Runtime),
+                ``"onnxruntime"`` (CPU), ``"openvino"`` (CPU; engines built with ``trt-cosy build
+                --backend openvino``), or ``"trt"`` / ``"tensorrt"`` (the plans of an engines directory
+                built with ``trt-cosy build --backend tensorrt``; NVIDIA GPU).
             config: load-time options (threads, default text normaliser).
 
         Raises:
@@ -110,8 +131,9 @@ class CosyVoice:
             InputError: an unknown backend.
         """
         config = config or EngineConfig()
-        if backend not in _ORT_NAMES + _TRT_NAMES:
-            raise InputError(f"unknown backend {backend!r}; use one of {', '.join(_ORT_NAMES + _TRT_NAMES)}.")
+        names = _ORT_NAMES + _TRT_NAMES + _OV_NAMES
+        if backend not in names:
+            raise InputError(f"unknown backend {backend!r}; use one of {', '.join(names)}.")
         from .models.v1.stages import load_speakers
         from .runtime.engines import SPEAKERS_NAME, TOKENIZER_DIR, load_engines
         from .runtime.manifest import Manifest
@@ -124,7 +146,7 @@ class CosyVoice:
                 f"`trt-cosy build --model-dir {path} --out ENGINES` and load ENGINES, or run "
                 f"`trt-cosy say --model-dir {path} ...` (it builds into the cache)."
             )
-        engine_backend = "tensorrt" if backend in _TRT_NAMES else "onnxruntime"
+        engine_backend = _engine_backend(backend, path)
         model = load_engines(path, threads=config.threads, backend=engine_backend)
         family = model.config.family
         model_id = model_id_from_checkpoint(family, Manifest.read(path).checkpoint)

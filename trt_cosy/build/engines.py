@@ -22,6 +22,7 @@ end, so an interrupted build never leaves a half-written engines directory behin
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -39,6 +40,7 @@ from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..models.registry import family_named
 from ..runtime.engines import MODEL_CONFIG_NAME, TOKENIZER_DIR
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord, hash_checkpoint
+from ..runtime.openvino import OV_PRECISIONS
 from .export import OPSET, ExportResult, onnx_io_specs
 from .family_engines import (
     check_family_options,
@@ -57,7 +59,7 @@ __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
 
 _LOGGER = logging.getLogger(__name__)
 
-BACKENDS: Final = ("onnxruntime", "tensorrt")
+BACKENDS: Final = ("onnxruntime", "tensorrt", "openvino")
 PRECISIONS: Final = ("fp32", *QUANTIZED_PRECISIONS)
 # TensorRT builds strongly typed plans from fp16 (or fp32) ONNX graphs; quantised CPU graphs do not apply.
 TRT_PRECISIONS: Final = ("fp16", "fp32")
@@ -105,6 +107,8 @@ def build_engines(
         from ..runtime.trt import load_tensorrt
 
         load_tensorrt()  # fail before a long export when plans cannot be built here
+    if backend == "openvino":
+        _check_openvino(precision)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     emit = _emitter(progress)
     start = time.perf_counter()
@@ -148,11 +152,25 @@ def _check_options(backend: str, precision: str) -> None:
         raise InputError(
             f"backend {backend!r} cannot be built by this version; available: {', '.join(BACKENDS)}."
         )
-    allowed = TRT_PRECISIONS if backend == "tensorrt" else PRECISIONS
+    allowed = {"tensorrt": TRT_PRECISIONS, "openvino": OV_PRECISIONS}.get(backend, PRECISIONS)
     if precision not in allowed:
         raise InputError(
             f"precision {precision!r} is not available for the {backend} backend; available: "
             f"{', '.join(allowed)}."
+        )
+
+
+def _check_openvino(precision: str) -> None:
+    """OpenVINO must be importable before a long export; bf16 engines on a CPU without bf16 kernels
+    are built (they are portable) but will compute in float32 here, which the build says."""
+    from ..runtime.openvino import cpu_has_bf16, load_openvino
+
+    load_openvino()
+    if precision != "fp32" and not cpu_has_bf16():
+        _LOGGER.warning(
+            "this CPU has no bfloat16 kernels (AVX512-BF16/AMX): %s OpenVINO engines will compute in "
+            "float32 here; build --precision fp32 for this machine",
+            precision,
         )
 
 
@@ -200,7 +218,16 @@ def _write_engines(
     del model  # the torch weights (2+ GB at full size) are not needed past this point
     gc.collect()
     batch_graph = None
-    if backend == "tensorrt":
+    records: dict[str, GraphRecord] = {}
+    if backend == "openvino":  # the plain exports (no ONNX Runtime contrib ops) to OpenVINO IR
+        from .openvino import convert_engine_graphs
+
+        records = {
+            name: _graph_record(result, staging) for name, result in results.items()
+        }  # I/O as exported
+        ir_files = convert_engine_graphs(staging, list(results), precision, progress=emit)
+        records = {name: dataclasses.replace(rec, file=ir_files[name]) for name, rec in records.items()}
+    elif backend == "tensorrt":
         from .tensorrt import prepare_trt_graphs
 
         prepare_trt_graphs(staging, config, hashes, precision, progress=emit)
@@ -221,7 +248,7 @@ def _write_engines(
         precision=precision,
         opset=OPSET,
         checkpoint=hashes,
-        graphs={name: _graph_record(result, staging) for name, result in results.items()},
+        graphs=records or {name: _graph_record(result, staging) for name, result in results.items()},
         files=_file_sizes(staging),
     )
     if batch_graph is not None:

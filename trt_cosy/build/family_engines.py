@@ -63,6 +63,8 @@ def check_family_options(model_dir: Path, backend: str, precision: str) -> str:
     from .tensorrt import TRT_FAMILIES
 
     family = family_of_release(model_dir).name
+    if backend == "openvino":  # every family: the plain exports converted (build.openvino)
+        return family
     if backend == "tensorrt":
         supported = TRT_FAMILIES
     elif precision != "fp32":

@@ -41,6 +41,8 @@ _LOGGER = logging.getLogger(__name__)
 
 ORT_BACKEND: Final = "onnxruntime"
 TRT_BACKEND: Final = "tensorrt"
+OV_BACKEND: Final = "openvino"
+AUTO_BACKEND: Final = "auto"  # load_engines: the manifest's backend
 # File names inside an engines directory, shared with the builder (trt_cosy/build/engines.py).
 TABLE_NAMES: Final = ("text_embedding", "speech_embedding", "llm_embedding")  # <name>.npy
 MODEL_CONFIG_NAME: Final = "model_config.json"
@@ -77,9 +79,13 @@ def load_engines(
     TensorRT version or checkpoint is refused, never used. On ONNX Runtime the graphs named in
     ``lazy_graphs`` (default ``LAZY_GRAPHS``: the streaming flow estimator) get a ``LazyOrtRunner``
     whose session is created by its first call; pass ``()`` to create every session now.
+    ``backend="openvino"`` compiles the OpenVINO IR of each graph (``runtime.openvino``; lazy graphs
+    on first use); ``backend="auto"`` loads the engines on the backend their manifest names.
     """
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
+    if backend == AUTO_BACKEND:  # the backend the engines were built for
+        backend = manifest.backend
     manifest.check(engines_dir, model_dir, backend=backend)
     config = model_config_from_dict(_read_json(engines_dir / MODEL_CONFIG_NAME))
     if backend == TRT_BACKEND:
@@ -89,6 +95,8 @@ def load_engines(
         runners: dict[str, Runner] = dict(
             load_plan_runners(engines_dir, slots, checkpoint=checkpoint_digest(manifest.checkpoint))
         )
+    elif backend == OV_BACKEND:
+        runners = _load_openvino_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
     else:
         runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
     tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}
@@ -142,6 +150,34 @@ def _load_runners(
         runners[graphs.LLM_BATCH.name] = LazyOrtRunner(
             engines_dir / batch.file, graphs.LLM_BATCH.name, threads, exported=True
         )
+    return runners
+
+
+def _load_openvino_runners(
+    engines_dir: Path,
+    manifest: Manifest,
+    specs: dict[str, graphs.GraphSpec],
+    threads: int | None,
+    lazy_graphs: Collection[str],
+) -> dict[str, Runner]:
+    """OpenVINO IR per graph, compiled in the precision ``graph_precisions`` gives its engines."""
+    from .openvino import LazyOvRunner, OvRunner, graph_precisions, load_openvino
+
+    ov = load_openvino()
+    computes = graph_precisions(manifest.precision, tuple(specs))
+    core = ov.Core()
+    runners: dict[str, Runner] = {}
+    for name in specs:
+        record = manifest.graphs.get(name)
+        if record is None:
+            raise EngineMismatchError(
+                f"{engines_dir} has no '{name}' graph. Rebuild it: run `trt-cosy build --backend openvino "
+                f"--model-dir DIR --out {engines_dir}`."
+            )
+        if name in lazy_graphs:
+            runners[name] = LazyOvRunner(engines_dir / record.file, name, threads, computes[name])
+        else:
+            runners[name] = OvRunner.from_path(engines_dir / record.file, name, threads, computes[name], core)
     return runners
 
 

@@ -1,0 +1,333 @@
+"""The OpenVINO backend (CPU): one ``OvRunner`` per graph, over one compiled model.
+
+Engines built with ``trt-cosy build --backend openvino`` hold each graph as OpenVINO IR
+(``<graph>.xml`` + ``<graph>.bin``), converted at build time from the plain ONNX exports, so loading
+never reconverts. What each engines precision means at run time (``graph_precisions``):
+
+* ``fp32``: every graph computes in float32.
+* ``bf16``: every graph computes in bfloat16 (OpenVINO's ``INFERENCE_PRECISION_HINT``) except the
+  graphs in ``FP32_GRAPHS`` (numeric islands measured to need float32, docs/precision.md). Needs a
+  CPU with AVX512-BF16 or AMX (``cpu_has_bf16``); elsewhere they run in float32, with a warning.
+* ``int8`` / ``int4``: the LLM's MatMul weights are stored 8/4-bit (``build.openvino``); the
+  graphs compute as for ``bf16``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import EngineMismatchError, InputError, require
+from .ort import default_threads
+
+__all__ = [
+    "OV_BACKEND",
+    "OV_PRECISIONS",
+    "FP32_GRAPHS",
+    "IR_SUFFIX",
+    "OvRunner",
+    "LazyOvRunner",
+    "OvKVDecoder",
+    "load_openvino",
+    "cpu_has_bf16",
+    "graph_precisions",
+    "pin_sinusoid_arguments",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+OV_BACKEND: Final = "openvino"
+OV_PRECISIONS: Final = ("fp32", "bf16", "int8", "int4")
+IR_SUFFIX: Final = ".xml"  # the weights are the .bin next to it
+# Graphs that stay float32 in the reduced precisions (measured: docs/precision.md, "OpenVINO").
+FP32_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift"})
+_HINTS: Final = {"fp32": "f32", "bf16": "bf16"}
+_DEVICE: Final = "CPU"
+_DECODER_INPUTS: Final = ("inputs_embeds", "past_keys", "past_values")
+_bf16_state: dict[str, bool] = {}  # {"cpu": has bf16?}, asked once per process
+_BF16_LOCK: Final = threading.Lock()
+
+
+def load_openvino() -> Any:
+    """The ``openvino`` module, or ``MissingDependencyError`` naming the ``[openvino]`` extra."""
+    return require("openvino", "openvino")
+
+
+def cpu_has_bf16(core: Any | None = None) -> bool:
+    """Whether OpenVINO's CPU plugin has bfloat16 kernels here (AVX512-BF16 or AMX): its
+    ``OPTIMIZATION_CAPABILITIES`` list ``BF16``."""
+    with _BF16_LOCK:
+        if "cpu" not in _bf16_state:
+            core = core if core is not None else load_openvino().Core()
+            _bf16_state["cpu"] = "BF16" in core.get_property(_DEVICE, "OPTIMIZATION_CAPABILITIES")
+        return _bf16_state["cpu"]
+
+
+def graph_precisions(precision: str, graph_names: Mapping[str, Any] | tuple[str, ...]) -> dict[str, str]:
+    """The precision each graph computes in (``"fp32"`` or ``"bf16"``) for engines of ``precision``."""
+    if precision not in OV_PRECISIONS:
+        raise EngineMismatchError(
+            f"OpenVINO engines of precision {precision!r} are unknown to this trt-cosy (it knows "
+            f"{', '.join(OV_PRECISIONS)}). Rebuild them with `trt-cosy build --backend openvino`."
+        )
+    if precision == "fp32":
+        return dict.fromkeys(graph_names, "fp32")
+    return {name: "fp32" if name in FP32_GRAPHS else "bf16" for name in graph_names}
+
+
+def _port_names(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return (
+        tuple(port.get_any_name() for port in model.inputs),
+        tuple(port.get_any_name() for port in model.outputs),
+    )
+
+
+def pin_sinusoid_arguments(model: Any) -> int:
+    """Keep the arguments of ``Sin``/``Cos`` in float32 under a bf16 precision hint; return how many.
+
+    The sinusoidal time embeddings compute ``sin(1000 t f)``: rounded to bfloat16 (8 significant
+    bits), an argument near 300 is off by up to 1 rad and the embedding is noise (measured: the
+    CosyVoice2 estimator drops from 40 dB to 15 dB SNR against float32). OpenVINO's CPU plugin
+    ignores ``disable_fp16_compression`` marks under bf16 and fuses the argument's ``Multiply`` into
+    a bf16 subgraph; a node whose output is a model output keeps a float32 output, so each argument
+    becomes an extra output (tiny: [B, 128]-sized), which ``OvRunner`` never returns.
+    """
+    arguments = [
+        op.input_value(0)
+        for op in model.get_ordered_ops()
+        if op.get_type_name() in ("Sin", "Cos")
+        and op.input_value(0).get_node().get_type_name() not in ("Parameter", "Constant")
+    ]
+    if arguments:
+        model.add_outputs(arguments)
+    return len(arguments)
+
+
+def _compile_config(threads: int | None, compute: str) -> dict[str, Any]:
+    return {
+        "INFERENCE_PRECISION_HINT": _HINTS[compute],
+        "INFERENCE_NUM_THREADS": default_threads() if threads is None else int(threads),
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": 1,
+    }
+
+
+class OvRunner:
+    """A ``Runner`` over an OpenVINO ``CompiledModel``.
+
+    ``infer`` takes an idle infer request from the runner's pool (a new one when every request is
+    busy), so any number of threads may call it at once; each request runs on its own memory.
+    Feeds are cast to the dtypes the model declares (int64 ids to int32, ...); outputs are copies
+    owned by the caller.
+    """
+
+    def __init__(
+        self, compiled: Any, name: str, names: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    ):
+        self.name = name
+        self.compiled = compiled
+        # Tensor names come from the model as read (``names``: its inputs and outputs): compiling may
+        # add internal names to a port (``{"wav", "squeeze_1"}``) and ``get_any_name`` may pick either;
+        # outputs past the model's own (``pin_sinusoid_arguments``) are never returned.
+        inputs, outputs = names if names is not None else _port_names(compiled)
+        self._inputs = {key: compiled.inputs[i].get_element_type().to_dtype() for i, key in enumerate(inputs)}
+        self._shapes = {key: compiled.inputs[i].get_partial_shape() for i, key in enumerate(inputs)}
+        self._outputs = outputs
+        self._idle: list[Any] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | Path,
+        name: str,
+        threads: int | None = None,
+        compute: str = "fp32",
+        core: Any | None = None,
+    ) -> OvRunner:
+        """Compile the IR (or ONNX) file ``path`` for the CPU, computing in ``compute`` (``"fp32"`` or
+        ``"bf16"``; bf16 falls back to fp32 with a warning where the CPU lacks it) with ``threads``
+        threads (default: physical cores). A missing or unreadable file raises ``EngineMismatchError``.
+        """
+        ov = load_openvino()
+        path = Path(path)
+        if not path.is_file():
+            raise EngineMismatchError(
+                f"OpenVINO model {path} for graph '{name}' does not exist. Rebuild it with "
+                "`trt-cosy build --backend openvino`."
+            )
+        core = core if core is not None else ov.Core()
+        if compute == "bf16" and not cpu_has_bf16(core):
+            _LOGGER.warning(
+                "graph '%s': this CPU has no bfloat16 kernels (no AVX512-BF16/AMX); it runs in float32",
+                name,
+            )
+            compute = "fp32"
+        config = _compile_config(threads, compute)
+        try:
+            model = core.read_model(str(path))
+            names = _port_names(model)
+            if compute == "bf16":
+                pin_sinusoid_arguments(model)
+            compiled = core.compile_model(model, _DEVICE, config)
+        # OpenVINO's pybind errors derive from RuntimeError/Exception only.
+        except Exception as exc:
+            raise EngineMismatchError(
+                f"OpenVINO could not load {path} for graph '{name}' ({exc}). Rebuild it with "
+                "`trt-cosy build --backend openvino`."
+            ) from exc
+        _LOGGER.debug(
+            "compiled %s as '%s' (%s, %d threads)", path, name, compute, config["INFERENCE_NUM_THREADS"]
+        )
+        return cls(compiled, name, names)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(self._inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self._outputs
+
+    @property
+    def inference_precision(self) -> str:
+        """What the compiled model computes in (OpenVINO's name: ``"f32"``, ``"bf16"``)."""
+        return str(self.compiled.get_property("INFERENCE_PRECISION_HINT"))
+
+    def input_specs(self) -> dict[str, tuple[tuple[int | str | None, ...], np.dtype | None]]:
+        """Each input's declared shape (None marks a dynamic axis) and numpy dtype."""
+        specs = {}
+        for key, shape in self._shapes.items():
+            dims = tuple(dim.get_length() if dim.is_static else None for dim in shape)
+            specs[key] = (dims, self._inputs[key])
+        return specs
+
+    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = [key for key in self._inputs if key not in feed]
+        if missing:
+            raise InputError(
+                f"graph '{self.name}' needs inputs {list(self._inputs)}; missing {missing}. "
+                "Feed every input by name."
+            )
+        inputs = {key: self._cast(key, feed[key]) for key in self._inputs}
+        request = self._acquire()
+        try:
+            result = request.infer(inputs, share_inputs=True, share_outputs=False)
+            return {name: result[name] for name in self._outputs}
+        finally:
+            with self._lock:
+                self._idle.append(request)
+
+    def _acquire(self) -> Any:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self.compiled.create_infer_request()
+
+    def _cast(self, key: str, value: np.ndarray) -> np.ndarray:
+        array, dtype = np.asarray(value), self._inputs[key]
+        if array.dtype == dtype:  # OpenVINO shares only writable memory (tables are read-only maps)
+            return array if array.flags.c_contiguous and array.flags.writeable else np.array(array, order="C")
+        try:  # same_kind allows int64 -> int32 and float64 -> float32, refuses float -> int
+            return np.ascontiguousarray(array.astype(dtype, casting="same_kind"))
+        except TypeError as exc:
+            raise InputError(
+                f"graph '{self.name}' input '{key}' is {dtype}; got {array.dtype}, which does not "
+                f"convert safely. Pass {dtype} values."
+            ) from exc
+
+    def kv_decoder(self, cache_shape: tuple[int, ...]) -> OvKVDecoder:
+        """A step-by-step decoder for a graph of the ``LLM`` contract (see ``OvKVDecoder``)."""
+        return OvKVDecoder(self, cache_shape)
+
+
+class LazyOvRunner:
+    """An ``OvRunner`` compiled on first use (thread-safe): the graphs only some requests need
+    (the streaming flow estimator). The file is checked at once; ``load()`` compiles it."""
+
+    def __init__(self, path: str | Path, name: str, threads: int | None = None, compute: str = "fp32"):
+        self.name = name
+        self._path, self._threads, self._compute = Path(path), threads, compute
+        self._runner: OvRunner | None = None
+        self._lock = threading.Lock()
+        if not self._path.is_file():
+            raise EngineMismatchError(
+                f"OpenVINO model {self._path} for graph '{name}' does not exist. Rebuild it with "
+                "`trt-cosy build --backend openvino`."
+            )
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the model is compiled yet."""
+        return self._runner is not None
+
+    def load(self) -> OvRunner:
+        """The underlying runner, compiling the model if this is the first use."""
+        runner = self._runner
+        if runner is not None:
+            return runner
+        with self._lock:
+            if self._runner is None:
+                _LOGGER.debug("compiling the deferred graph '%s'", self.name)
+                self._runner = OvRunner.from_path(self._path, self.name, self._threads, self._compute)
+            return self._runner
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.load().input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self.load().output_names
+
+    def input_specs(self) -> dict[str, tuple[tuple[int | str | None, ...], np.dtype | None]]:
+        return self.load().input_specs()
+
+    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.load().infer(feed)
+
+    def kv_decoder(self, cache_shape: tuple[int, ...]) -> OvKVDecoder:
+        return self.load().kv_decoder(cache_shape)
+
+
+class OvKVDecoder:
+    """Decode through an ``LLM``-contract model with the KV cache kept in OpenVINO tensors.
+
+    Two infer requests take turns: each step reads the cache the other request's previous step
+    wrote (``present_keys``/``present_values`` bound as ``past_keys``/``past_values``, no copy)
+    and writes its own. A request's output memory is only rewritten by its own next step, by which
+    time the other request has read it. Only the logits are copied out. One decoder holds one
+    request's cache: create one per request (the compiled model is shared).
+
+    Args:
+        runner: the ``OvRunner`` of the LLM graph.
+        cache_shape: the empty cache ``(L, 1, H, 0, Dh)``.
+    """
+
+    def __init__(self, runner: OvRunner, cache_shape: tuple[int, ...]):
+        ov = load_openvino()
+        self._tensor = ov.Tensor
+        self._requests = (runner.compiled.create_infer_request(), runner.compiled.create_infer_request())
+        self._turn = 0
+        self._keys = ov.Tensor(np.zeros(cache_shape, dtype=np.float32))  # [L, 1, H, 0, Dh]
+        self._values = ov.Tensor(np.zeros(cache_shape, dtype=np.float32))
+        self.cached = 0  # positions in the cache
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """Feed ``inputs_embeds`` [1, T, D] after the cached positions; return the logits [1, T, V]."""
+        inputs = np.array(inputs_embeds, dtype=np.float32, order="C")  # [1, T, D], a writable copy
+        request = self._requests[self._turn]
+        self._turn ^= 1
+        request.set_tensor("inputs_embeds", self._tensor(inputs, shared_memory=True))
+        request.set_tensor("past_keys", self._keys)
+        request.set_tensor("past_values", self._values)
+        request.infer()
+        self._keys = request.get_tensor("present_keys")  # [L, 1, H, P + T, Dh], the request's memory
+        self._values = request.get_tensor("present_values")
+        self.cached += inputs.shape[1]
+        return request.get_tensor("logits").data.copy()  # [1, T, V]
