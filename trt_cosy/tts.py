@@ -32,6 +32,7 @@ from .errors import EngineMismatchError, InputError, MissingDependencyError
 from .frontend.text import TextNormalizer
 from .frontend.tokenizer import QwenTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder
+from .models.registry import family_named
 from .pipeline import Request, iterate_in_thread
 from .runtime.model import LoadedModel
 from .runtime.ort import LazyOrtRunner
@@ -299,9 +300,11 @@ class CosyVoice:
         split = None if config.text_frontend is False else self._normalizer_for(config.normalizer).split
         segments = plan_segments(text, split, self.tokenizer.encode, limit)
         request_class = families.request_class(self.family)
-        if config.stream_schedule != "official" and self.family == "v1":
+        schedules = family_named(self.family).stream_schedules
+        if config.stream_schedule not in schedules:
             raise InputError(
-                "stream_schedule 'fast' is for CosyVoice2/3; CosyVoice 1 streams on its own schedule."
+                f"stream_schedule {config.stream_schedule!r} is not available for this model "
+                f"({family_named(self.family).title}); use one of {', '.join(schedules)}."
             )
         return request_class(
             self._stages,

@@ -69,6 +69,7 @@ class Family(ABC):
     qwen_llm: ClassVar[bool] = True  # the LLM is Qwen2 (tokenizer from CosyVoice-BlankEN/, RMSNorm fusion)
     trt_step_graphs: ClassVar[bool] = True  # TensorRT flow step graphs (its flow runs ``stages.flow.FlowStage``)
     fixed_flow_noise: ClassVar[bool] = True  # the engines carry the official fixed CFM noise
+    stream_schedules: ClassVar[tuple[str, ...]] = ("official", "fast")  # SynthesisConfig.stream_schedule values
     fixed_hift_noise: ClassVar[bool] = False  # the engines carry the causal HiFT's fixed NSF buffer
     quality: ClassVar[QualityFeeds]
 

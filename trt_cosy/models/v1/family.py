@@ -113,6 +113,7 @@ class V1Family(Family):
     config_class = V1ModelConfig
     request_class: type[Request] = V1Request
     qwen_llm = False  # whisper ranks (multilingual.tiktoken) and its own transformer LM
+    stream_schedules = ("official",)  # its own hop schedule; no cheaper option
     trt_step_graphs = False  # its own flow stage (V1FlowStage) runs the estimator plan per step
     fixed_flow_noise = False  # v1 draws fresh CFM noise per call
     quality = V1QualityFeeds()
