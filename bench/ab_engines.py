@@ -4,7 +4,7 @@
 
 The machine's speed drifts by 10-15 % over minutes when it is shared, so two ``trt-cosy bench``
 runs taken one after the other can disagree by more than the change being measured. This loads
-every directory once, then runs the benchmark's scenario (``trt_cosy.benchmark``: prefill, 250
+every directory once, then runs the benchmark's scenario (``trt_cosy.bench.speed``: prefill, 250
 greedy tokens, non-streaming flow, HiFT) on each in turn, one warm-up round and ``--runs`` timed
 rounds, and prints the per-directory medians. Same seed and inputs for every directory.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trt_cosy.benchmark import BenchOptions, _inputs, _one_run, _Stages
+from trt_cosy.bench.speed import BenchOptions, _inputs, _one_run, _Stages
 from trt_cosy.runtime.engines import load_engines
 
 SHOWN = ("llm_decode_tokens_per_s", "llm_s", "flow_s", "hift_s", "rtf")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from _support import tiny_engines
 
-from trt_cosy.benchmark import BenchOptions, format_bench, main, run_bench
+from trt_cosy.bench.speed import BenchOptions, format_bench, main, run_bench
 from trt_cosy.errors import InputError
 
 pytestmark = pytest.mark.slow  # one shared tiny build per session, then a few seconds

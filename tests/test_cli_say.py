@@ -477,7 +477,7 @@ def test_verbose_after_the_subcommand(injected, tmp_path):
 
 def test_bench_and_serve_take_model_dir(tmp_path, monkeypatch, v2_tiny_dir):
     require_build_extra()  # engines missing from the cache are built (faked here), which needs the extra
-    import trt_cosy.benchmark as benchmark_module
+    import trt_cosy.bench.speed as benchmark_module
     import trt_cosy.build.engines as build_module
 
     monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))

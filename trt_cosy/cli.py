@@ -564,7 +564,7 @@ def bench(engines: Path | None, model_dir: Path | None, tokens: int, text: str |
     """Time LLM prefill/decode, flow, HiFT, RTF, first audio, cold start and peak RSS of an engines directory."""
     import json
 
-    from .benchmark import BenchOptions, format_bench, run_bench
+    from .bench.speed import BenchOptions, format_bench, run_bench
 
     engines = _engines_or_model_dir(engines, model_dir)
     if concurrency is not None:

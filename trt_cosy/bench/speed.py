@@ -15,7 +15,7 @@ policy for sharing the cores), for a voice of each of ``stream_references`` seco
 25 prompt speech tokens, 50 prompt mel frames and 8 prompt text tokens per second): from the start of
 the request until its first chunk (prefill, ``25 + prompt_pad + 3`` tokens, a chunk-attention flow
 call over prompt + those tokens, a non-final HiFT call).
-Cold start is a fresh ``python -m trt_cosy.benchmark --ready`` process, from spawn until its engines
+Cold start is a fresh ``python -m trt_cosy.bench.speed --ready`` process, from spawn until its engines
 are loaded and its stages built. Peak RSS is this process's maximum resident set.
 
 Never use these timings as test assertions: CI runs only a smoke run on the tiny model.
@@ -37,15 +37,15 @@ from typing import Any, Final
 
 import numpy as np
 
-from .errors import InputError
-from .frontend.voice import Voice
-from .runtime.engines import TOKENIZER_DIR, load_engines
-from .runtime.manifest import Manifest
-from .runtime.model import LoadedModel
-from .runtime.ort import default_threads
-from .stages.flow import FlowStage
-from .stages.llm import LLMStage
-from .stages.vocoder import VocoderStage
+from ..errors import InputError
+from ..frontend.voice import Voice
+from ..runtime.engines import TOKENIZER_DIR, load_engines
+from ..runtime.manifest import Manifest
+from ..runtime.model import LoadedModel
+from ..runtime.ort import default_threads
+from ..stages.flow import FlowStage
+from ..stages.llm import LLMStage
+from ..stages.vocoder import VocoderStage
 
 __all__ = ["BenchOptions", "run_bench", "format_bench", "main"]
 
@@ -122,7 +122,7 @@ def _inputs(model: LoadedModel, engines_dir: Path, options: BenchOptions) -> _In
     config = model.config
     vocab = min(2048, config.llm.qwen.vocab_size)
     if options.text is not None:
-        from .families import load_text_tokenizer
+        from ..families import load_text_tokenizer
 
         tokenizer = load_text_tokenizer(config.family, engines_dir / TOKENIZER_DIR)
         text = np.asarray(tokenizer.encode(options.text), np.int64)
@@ -206,8 +206,8 @@ def _bench_voice(stages: _Stages, inputs: _Inputs, seconds: float, seed: int) ->
 
 def _first_audio(stages: _Stages, inputs: _Inputs, voice: Voice, options: BenchOptions) -> float:
     """Seconds from the start of a streaming request to its first chunk (the API's path, spec §6.1)."""
-    from .pipeline import Request, Stages
-    from .synthesis import Segment
+    from ..pipeline import Request, Stages
+    from ..synthesis import Segment
 
     shared = Stages(stages.llm, stages.flow, stages.vocoder)
     segment = Segment("bench", inputs.text)
@@ -231,8 +231,8 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
 
 
 def _cold_start(engines_dir: Path, threads: int | None) -> dict[str, float]:
-    """Spawn ``python -m trt_cosy.benchmark --ready``; seconds until it reports ready, and its RSS."""
-    command = [sys.executable, "-m", "trt_cosy.benchmark", "--ready", str(engines_dir)]
+    """Spawn ``python -m trt_cosy.bench.speed --ready``; seconds until it reports ready, and its RSS."""
+    command = [sys.executable, "-m", "trt_cosy.bench.speed", "--ready", str(engines_dir)]
     if threads is not None:
         command += ["--threads", str(threads)]
     start = time.perf_counter()
@@ -352,7 +352,7 @@ def _ready(engines_dir: Path, threads: int | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m trt_cosy.benchmark ENGINES [--tokens N] [--runs N] [--stream] [--json OUT]``."""
+    """``python -m trt_cosy.bench.speed ENGINES [--tokens N] [--runs N] [--stream] [--json OUT]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("engines", type=Path)
     parser.add_argument("--ready", action="store_true", help=argparse.SUPPRESS)
