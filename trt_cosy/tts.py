@@ -40,6 +40,7 @@ from .synthesis import (
     EngineConfig,
     LLMPrompt,
     SynthesisConfig,
+    check_text,
     plan_segments,
     write_audio,
 )
@@ -205,6 +206,8 @@ class CosyVoice:
         Raises:
             InputError: unreadable, too short, too long or silent audio.
         """
+        if text is not None:
+            check_text(text, "the voice's transcript")
         if text is None or not text.strip():
             return self.voice_builder.from_wav(path)
         prompt_text = self.normalizer.normalize(families.prompt_text_for_voice(self.family, text))
@@ -282,6 +285,7 @@ class CosyVoice:
         """
         instruct_ids = None
         if instruct is not None:
+            check_text(instruct, "instruct")
             text = families.instruct_text(self.family, instruct, self.normalizer.normalize)
             instruct_ids = np.asarray(self.tokenizer.encode(text), np.int64)  # [Ni]
         return families.llm_prompt_for(self.family, voice, instruct_ids, self.tokenizer.encode)

@@ -160,11 +160,18 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        codes = {
+            400: "invalid_body",  # FastAPI's "There was an error parsing the body", malformed multipart
+            404: "not_found",
+            405: "method_not_allowed",
+            408: "request_timeout",
+            413: "body_too_large",
+        }
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}; see GET /docs for the routes."
-        return answer(request, exc.status_code, message, codes.get(exc.status_code, "http_error"))
+        code = getattr(exc, "code", None) or codes.get(exc.status_code, "http_error")
+        return answer(request, exc.status_code, message, code, getattr(exc, "param", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
