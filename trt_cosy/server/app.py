@@ -33,6 +33,7 @@ from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware, path_label
 from .settings import ServerSettings
 from .speech import speech_router
 from .state import ServerState
+from .timeouts import BodyReadTimeout
 from .voices_api import voices_router
 from .voices_store import VoiceStore
 
@@ -100,6 +101,7 @@ def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
         metrics.errors.inc(path_label(path), "body_too_large")
 
     app.add_middleware(BodySizeLimit, limit_for=limit_for, on_refused=refused)
+    app.add_middleware(BodyReadTimeout, timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

@@ -40,6 +40,11 @@ class ServerSettings:
     """Longest reference audio accepted, seconds (the speech tokenizer's limit is 30)."""
     max_json_bytes: int = 256 * 1024
     """Largest JSON request body, bytes (413 beyond)."""
+    header_timeout_s: float = 10.0
+    """A request's headers must be complete this many seconds after the connection opens or its
+    previous response ends; else 408 and the connection is closed (slow clients)."""
+    body_timeout_s: float = 30.0
+    """Each read of an unfinished request body must return within this many seconds; else 408."""
     warmup: bool = True
     """Synthesise once at start; ``/health`` says ready only after it."""
 
@@ -52,7 +57,7 @@ class ServerSettings:
                 raise InputError(f"{name} must be a positive integer, got {value!r}.")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InputError(f"max_queue must be a non-negative integer, got {self.max_queue!r}.")
-        for name in ("request_timeout_s", "max_upload_seconds"):
+        for name in ("request_timeout_s", "max_upload_seconds", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)!r}.")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
