@@ -32,7 +32,7 @@ from .errors import EngineMismatchError, InputError, MissingDependencyError
 from .frontend.text import TextNormalizer
 from .frontend.tokenizer import QwenTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder
-from .pipeline import Request, iterate_in_thread
+from .pipeline import CancellableChunks, Request, iterate_in_thread
 from .runtime.model import LoadedModel
 from .runtime.ort import LazyOrtRunner
 from .synthesis import (
@@ -226,7 +226,8 @@ class CosyVoice:
 
         The text and voice are checked at once (``InputError`` with what to do); the models are
         lazy: nothing runs until you iterate, and closing the iterator stops the work (the LLM
-        worker thread stops after its current token). One ``CosyVoice`` serves many threads at
+        worker thread stops after its current token). Its ``cancel()`` may be called from another
+        thread while a worker iterates: the iteration then ends at the next LLM step or chunk. One ``CosyVoice`` serves many threads at
         once; the same seed gives the same audio whatever else runs.
 
         Args:
@@ -236,7 +237,7 @@ class CosyVoice:
             seed: the same seed gives the same audio; None draws fresh entropy.
             config: per-call options (``instruct``, ``stream``...); None for the defaults.
         """
-        return self._request(text, voice, seed, config).chunks()
+        return CancellableChunks(self._request(text, voice, seed, config))
 
     async def asynthesize(
         self,

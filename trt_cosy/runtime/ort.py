@@ -12,6 +12,7 @@ from typing import Any, Final
 import numpy as np
 
 from ..errors import EngineMismatchError, InputError, MissingDependencyError, ModelDirError, require
+from . import run_scope
 
 __all__ = [
     "OrtRunner",
@@ -199,7 +200,21 @@ class OrtRunner:
                 "Feed every input by name."
             )
         session_feed = {key: self._cast(key, feed[key]) for key in self._inputs}
-        outputs = self.session.run(list(self._outputs), session_feed)
+        scope = run_scope.current()
+        if scope is None:
+            outputs = self.session.run(list(self._outputs), session_feed)
+            return dict(zip(self._outputs, outputs, strict=True))
+        # A request's scope: its cancel() sets ``terminate`` and ORT stops at the next node.
+        options = require("onnxruntime", "cpu").RunOptions()
+        scope.register(options)
+        try:
+            outputs = self.session.run(list(self._outputs), session_feed, options)
+        except Exception:
+            if scope.cancelled:
+                raise run_scope.RunCancelled(f"graph '{self.name}' stopped: request cancelled") from None
+            raise
+        finally:
+            scope.unregister(options)
         return dict(zip(self._outputs, outputs, strict=True))
 
     def _cast(self, key: str, value: np.ndarray) -> np.ndarray:
