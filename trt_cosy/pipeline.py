@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import numpy as np
 
 from .runtime.run_scope import RunCancelled, RunScope
+from .runtime.work_gate import RENDER_GATE, GateCancelled
 from .stages.flow import FlowStage
 from .stages.llm import LLMStage
 from .stages.sampling import RASSampler
@@ -319,10 +320,12 @@ class Request:
             if plan is None:  # cannot happen: wait returns when the next chunk is ready
                 continue
             rendered = time.perf_counter()
+            # Bounded render work in flight (memory); cancel() aborts a flow or vocoder graph mid-run.
+            weight = self.voice.speech_tokens.shape[0] + plan.end
             try:
-                with self.runs.active():  # cancel() aborts a flow or vocoder graph mid-run
+                with RENDER_GATE.hold(weight, lambda: self.feed.cancelled), self.runs.active():
                     samples, flow_s, vocoder_s = self._render(tokens, plan, cache)
-            except RunCancelled:
+            except (RunCancelled, GateCancelled):
                 raise Cancelled("the request was cancelled") from None
             if self.feed.cancelled:  # cancelled while rendering: drop the chunk, stop now
                 raise Cancelled("the request was cancelled")

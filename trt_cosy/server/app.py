@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import InputError
+from ..runtime.heap import return_large_blocks
 from ..synthesis import SynthesisConfig
 from .audio_encoding import available_formats
 from .errors import APIError, error_body, validation_message
@@ -68,6 +69,7 @@ def warm_up(tts: Any) -> None:
 
 def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
     """The server app for a loaded engine (``CosyVoice``); voices are read from ``settings.voices_dir``."""
+    return_large_blocks()  # RSS returns after bursts of long requests ("Memory under load")
     metrics = Metrics()
     state = ServerState(
         tts=tts,
