@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     burst_peak = status_mib("VmHWM")
     time.sleep(1.0)
     after = status_mib("VmRSS")
+
     print(
         f"{args.concurrency} concurrent: peak {burst_peak:.0f} MiB ({burst_peak / one_peak:.2f}x one), "
         f"after {after:.0f} MiB ({after / base:.2f}x post-warm-up); wall {max(r[1] for r in results):.1f} s"
