@@ -24,6 +24,7 @@ import soundfile
 
 from trt_cosy import CosyVoice
 from trt_cosy.runtime.heap import return_large_blocks
+from trt_cosy.runtime.work_gate import RENDER_GATE
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "features" / "audio" / "en_16k_mono.wav"
 WORDS = "the quick brown fox jumps over the lazy dog near the river bank".split()
@@ -63,9 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         "--ab-runs", type=int, default=3, help="sequential runs per arm of the shrink A/B (0: skip)"
     )
     parser.add_argument("--no-heap-return", action="store_true", help="keep glibc's dynamic mmap threshold")
+    parser.add_argument(
+        "--gate-tokens", type=int, default=None, help="render gate capacity (default: the library's)"
+    )
+    parser.add_argument("--llm-only", action="store_true", help="decode speech tokens only (LLM memory)")
     args = parser.parse_args(argv)
     if not args.no_heap_return:
         return_large_blocks()
+    if args.gate_tokens is not None:
+        RENDER_GATE.capacity = args.gate_tokens
     tts = CosyVoice.load(args.engines)
     voice = make_voice(tts)
     text = long_text(args.words)
@@ -76,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(seed: int) -> tuple[float, float]:
         started, samples = time.perf_counter(), 0
+        if args.llm_only:  # the speech tokens of every segment, no flow or vocoder
+            chunks = tts.synthesize(text, voice, seed)
+            feed = chunks.request.feed
+            tokens = sum(feed.wait(index, None)[0].size for index in range(len(segments)))
+            chunks.close()
+            return tokens / 25, time.perf_counter() - started
         for chunk in tts.synthesize(text, voice, seed):
             samples += chunk.samples.size
         return samples / tts.sample_rate, time.perf_counter() - started
@@ -83,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in tts.synthesize("Hello.", voice, 0):  # warm-up
         pass
     base = status_mib("VmRSS")
-    print(f"post-warm-up RSS {base:.0f} MiB")
+    print(
+        f"post-warm-up RSS {base:.0f} MiB (gate {RENDER_GATE.capacity} tokens, "
+        f"shrink {os.environ.get('TRT_COSY_ARENA_SHRINK', '1')}, heap return {not args.no_heap_return})"
+    )
     reset_peak()
     audio_s, seconds = run(1)
     one_peak = status_mib("VmHWM")
