@@ -2,8 +2,10 @@
 
 Runs the five graphs the way one utterance does (LLM prefill + one decode step per speech token,
 flow encoder + 10 CFG estimator steps, HiFT) on random inputs of realistic lengths, after a warm-up,
-and prints time to first audio (the first 25-token chunk through every stage), real-time factor
-and device memory. It times the graphs, not the pipeline's overlap of stages, so it is an upper
+and prints time to first audio (the first 25-token chunk through every stage), real-time factor,
+device memory and, for TensorRT, device memory per execution context (one slot of every graph:
+activation memory it holds after the run plus its preallocated I/O buffers; the issue-19 goal is
+<= 0.5 GB at full size). It times the graphs, not the pipeline's overlap of stages, so it is an upper
 bound on TTFA and RTF.
 
     python bench/gpu_check.py --ort ENGINES_DIR --trt ENGINES_DIR [--seconds 10] [--json out.json]
@@ -121,6 +123,18 @@ def _device_used() -> int | None:
         return None
 
 
+def context_memory(runners: Mapping[str, Runner]) -> dict[str, dict[str, int]] | None:
+    """Per graph, the device bytes of its first execution context (``TrtRunner.device_memory``);
+    None for runners without device contexts (ONNX Runtime)."""
+    report = {}
+    for name, runner in runners.items():
+        memory = getattr(runner, "device_memory", None)
+        if memory is None:
+            return None
+        report[name] = memory()[0]
+    return report
+
+
 def _run(label: str, loader: Callable[[], Mapping[str, Runner]], config, seconds: float) -> dict:
     """Load, measure, and report the device memory the backend added (None when CUDA is absent)."""
     before = _device_used()
@@ -129,6 +143,11 @@ def _run(label: str, loader: Callable[[], Mapping[str, Runner]], config, seconds
     row = {"backend": label, **measure(runners, config, seconds)}
     after = _device_used()
     row["device_mb"] = None if before is None or after is None else round((after - before) / 2**20)
+    contexts = context_memory(runners)
+    row["context_graphs"] = contexts
+    row["context_mb"] = (
+        None if contexts is None else round(sum(m["total"] for m in contexts.values()) / 2**20)
+    )
     return row
 
 
@@ -147,20 +166,27 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             _run("onnxruntime", lambda: load_engines(args.ort).runners, _config(args.ort), args.seconds)
         )
-        rows[-1]["device_mb"] = None  # ORT runs on the CPU here
+        rows[-1]["device_mb"] = rows[-1]["context_mb"] = None  # ORT runs on the CPU here
     if args.trt:
         from trt_cosy.runtime.trt import load_plan_runners
 
         rows.append(_run("tensorrt", lambda: load_plan_runners(args.trt), _config(args.trt), args.seconds))
     print(
-        f"{'model':<6} {'backend':<12} {'TTFA s':>8} {'RTF':>7} {'LLM tok/s':>10} {'flow s':>7} {'hift s':>7} {'dev MB':>8}"
+        f"{'model':<6} {'backend':<12} {'TTFA s':>8} {'RTF':>7} {'LLM tok/s':>10} {'flow s':>7} {'hift s':>7} "
+        f"{'dev MB':>8} {'ctx MB':>8}"
     )
     for row in rows:
         mem = "-" if row["device_mb"] is None else str(row["device_mb"])
+        ctx = "-" if row.get("context_mb") is None else str(row["context_mb"])
         print(
             f"{args.label:<6} {row['backend']:<12} {row['ttfa_s']:>8.3f} {row['rtf']:>7.3f} "
-            f"{row['llm_tok_s']:>10.1f} {row['flow_s']:>7.3f} {row['hift_s']:>7.3f} {mem:>8}"
+            f"{row['llm_tok_s']:>10.1f} {row['flow_s']:>7.3f} {row['hift_s']:>7.3f} {mem:>8} {ctx:>8}"
         )
+        for graph, memory in (row.get("context_graphs") or {}).items():
+            print(
+                f"    {graph:<22} activations {memory['activations'] / 2**20:8.1f} MiB "
+                f"(largest profile {memory['activations_max'] / 2**20:8.1f}), I/O {memory['io'] / 2**20:8.1f} MiB"
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 0

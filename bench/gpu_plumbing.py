@@ -26,8 +26,12 @@ from trt_cosy.runtime import cuda
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile
 from trt_cosy.runtime.trt import TrtRunner
 
-# What TrtRunner asks of the tensorrt module: tensor directions and dtype conversion.
-COPY_TRT = SimpleNamespace(TensorIOMode=SimpleNamespace(INPUT="in", OUTPUT="out"), nptype=lambda dtype: dtype)
+# What TrtRunner asks of the tensorrt module: tensor directions, dtype conversion, allocation strategies.
+COPY_TRT = SimpleNamespace(
+    TensorIOMode=SimpleNamespace(INPUT="in", OUTPUT="out"),
+    nptype=lambda dtype: dtype,
+    ExecutionContextAllocationStrategy=SimpleNamespace(STATIC=0, ON_PROFILE_CHANGE=1, USER_MANAGED=2),
+)
 
 # Mel-shaped frames [1, T, 80]: a short (streaming chunk) and a long (utterance) profile.
 COPY_PROFILES = GraphProfiles(
@@ -45,7 +49,11 @@ class CopyContext:
     def __init__(self) -> None:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.addresses: dict[str, int] = {}
+        self.memory: tuple[int, int] | None = None
         self.launches = 0
+
+    def set_device_memory(self, memory: int, size: int) -> None:
+        self.memory = (int(memory), int(size))  # a copy needs no activation memory; kept for the report
 
     def set_optimization_profile_async(self, index: int, stream: int) -> bool:
         self.shapes = {}
@@ -74,13 +82,23 @@ class CopyContext:
 
 
 class CopyEngine:
-    """An engine-like object with one float32 input ``x`` and one output ``y`` of the same shape."""
+    """An engine-like object with one float32 input ``x`` and one output ``y`` of the same shape,
+    holding ``COPY_PROFILES`` once per slot as a plan built with ``build_plan(slots=...)`` does."""
 
     num_io_tensors = 2
-    num_optimization_profiles = len(COPY_PROFILES.profiles)
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int = 1) -> None:
         self.contexts: list[CopyContext] = []
+        self.num_optimization_profiles = len(COPY_PROFILES.profiles) * slots
+
+    def is_shape_inference_io(self, name: str) -> bool:
+        return False
+
+    def get_tensor_profile_shape(self, name: str, index: int) -> list[tuple[int, ...]]:
+        return list(COPY_PROFILES.profiles[index % len(COPY_PROFILES.profiles)].shapes[name])
+
+    def get_device_memory_size_for_profile_v2(self, index: int) -> int:
+        return 0
 
     def get_tensor_name(self, index: int) -> str:
         return ("x", "y")[index]
@@ -91,14 +109,14 @@ class CopyEngine:
     def get_tensor_dtype(self, name: str) -> type:
         return np.float32
 
-    def create_execution_context(self) -> CopyContext:
+    def create_execution_context(self, strategy: int = 0) -> CopyContext:
         self.contexts.append(CopyContext())
         return self.contexts[-1]
 
 
 def copy_runner(slots: int = 1) -> TrtRunner:
     """A TrtRunner over a fresh ``CopyEngine``."""
-    return TrtRunner(CopyEngine(), "copy", COPY_PROFILES, trt=COPY_TRT, slots=slots)
+    return TrtRunner(CopyEngine(slots), "copy", COPY_PROFILES, trt=COPY_TRT, slots=slots)
 
 
 def _per_call_us(call, count: int, repeats: int = 5) -> float:

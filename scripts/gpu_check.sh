@@ -7,7 +7,8 @@
 #   SIZES=tiny bash scripts/gpu_check.sh      # tiny only (a few minutes)
 #   WORK=/data/gpu-check bash scripts/gpu_check.sh   # keep the artefacts somewhere known
 #
-# Needs: pip install -e '.[gpu,cpu,build]' (torch for the export), an NVIDIA driver, ~15 GB disk for full.
+# Needs: pip install -e '.[gpu,cpu,build]' (torch for the export; '.[gpu-cu12,cpu,build]' on a CUDA 12
+# driver, R525-R575), an NVIDIA driver, ~15 GB disk for full.
 # Exit status 3: the CUDA checks ran but TensorRT is not installed (the plan checks were not run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,13 +54,22 @@ import tensorrt
 print(f"GPU {device_info()}  TensorRT {tensorrt.__version__}")
 PY
 
-# 1. Golden parity: the golden tiny checkpoint on TensorRT, every stage against the official outputs.
+# 1. TensorRT runtime on a toy plan: parity with ONNX Runtime, then two threads on a plan built for two
+#    slots (its profiles twice: concurrent contexts must not share a profile), lengths across both
+#    profiles, every output checked; prints the device memory per execution context.
+step trt-toy-and-two-threads python -m pytest -q -rs -s -p no:cacheprovider tests/test_trt_runtime.py -k on_gpu
+grep -h "device memory per context" "$LOGS/trt-toy-and-two-threads.log" | sed 's/^/    /' || true
+# Informational: would the shared form (two contexts on ONE copy of the profiles) have worked here?
+step trt-shared-profile-experiment python bench/trt_shared_profile.py || true
+grep -h "shared profile" "$LOGS/trt-shared-profile-experiment.log" | sed 's/^/    /' || true
+
+# 2. Golden parity: the golden tiny checkpoint on TensorRT, every stage against the official outputs.
 step golden-build-trt trt-cosy build --model-dir "$GOLDEN_DIR" --out "$WORK/golden/trt" --backend tensorrt --precision fp16
 step golden-verify-trt trt-cosy verify --backend tensorrt --model-dir "$GOLDEN_DIR" \
     --golden "$GOLDEN_DIR/reference.npz" --engines "$WORK/golden/trt"
 sed 's/^/    /' "$LOGS/golden-verify-trt.log"
 
-# 2. Per size: random-weight release, ORT and TensorRT engines, graph-level timing.
+# 3. Per size: random-weight release, ORT and TensorRT engines, graph-level timing.
 for size in $SIZES; do
     release="$WORK/$size/release"
     step "$size-make-test-model" trt-cosy make-test-model --size "$size" --out "$release" --overwrite
@@ -68,20 +78,22 @@ for size in $SIZES; do
     grep -h "max error vs fp32" "$LOGS/$size-build-tensorrt.log" | sed 's/^/    /' || true
     step "$size-bench" python bench/gpu_check.py --ort "$WORK/$size/ort" --trt "$WORK/$size/trt" \
         --seconds "$SECONDS_OF_AUDIO" --label "$size" --json "$WORK/$size/bench.json"
+    grep -h -A12 "^model" "$LOGS/$size-bench.log" | sed 's/^/    /' || true
     RESULTS+=("$size")
 done
 
-# 3. The table.
+# 4. The table (ctx MB: device memory per execution context, one slot of every graph).
 echo
 echo "== ${SECONDS_OF_AUDIO} s utterance, graph-level timing (warm; TTFA = first 25-token chunk through every stage)"
 python - "$WORK" "${RESULTS[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 work, sizes = Path(sys.argv[1]), sys.argv[2:]
-print(f"{'model':<6} {'backend':<12} {'TTFA s':>8} {'RTF':>7} {'LLM tok/s':>10} {'dev MB':>8}")
+print(f"{'model':<6} {'backend':<12} {'TTFA s':>8} {'RTF':>7} {'LLM tok/s':>10} {'dev MB':>8} {'ctx MB':>8}")
 for size in sizes:
     for row in json.loads((work / size / "bench.json").read_text()):
         mem = "-" if row["device_mb"] is None else row["device_mb"]
-        print(f"{size:<6} {row['backend']:<12} {row['ttfa_s']:>8.3f} {row['rtf']:>7.3f} {row['llm_tok_s']:>10.1f} {mem:>8}")
+        ctx = "-" if row.get("context_mb") is None else row["context_mb"]
+        print(f"{size:<6} {row['backend']:<12} {row['ttfa_s']:>8.3f} {row['rtf']:>7.3f} {row['llm_tok_s']:>10.1f} {mem:>8} {ctx:>8}")
 PY
 echo "== done; logs in $LOGS"

@@ -18,6 +18,15 @@ BLOCK_TORCH = textwrap.dedent(
 )
 
 
+def require_build_extra() -> None:
+    """Skip the calling test (with the reason) unless the [build] extra (torch, onnx) is installed:
+    the tiny test models and engines are made with it."""
+    import pytest
+
+    pytest.importorskip("torch", reason="needs the [build] extra (torch) to make the tiny test model")
+    pytest.importorskip("onnx", reason="needs the [build] extra (onnx) to build the tiny engines")
+
+
 def save_test_graph(graph, path, check: bool = True):
     """Save an ``onnx.helper.make_graph`` graph as an opset-18, IR-8 model at ``path`` (readable by
     every onnxruntime this project supports); returns ``path``."""
@@ -37,6 +46,7 @@ def tiny_release(factory, golden_dir):
     written once per session into ``factory``'s base temp directory; returns its path."""
     import shutil
 
+    require_build_extra()
     from trt_cosy.build.testmodel import make_test_model
     from trt_cosy.config import QWEN_DIR
 
@@ -54,6 +64,7 @@ def tiny_release(factory, golden_dir):
 
 def tiny_engines(factory, golden_dir):
     """ONNX Runtime engines of ``tiny_release``, built once per session (later calls are manifest skips)."""
+    require_build_extra()
     from trt_cosy.build.engines import build_engines
 
     return build_engines(tiny_release(factory, golden_dir), factory.getbasetemp() / "tiny-engines")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-from _support import BLOCK_TORCH, tiny_engines, tiny_release
+from _support import BLOCK_TORCH, require_build_extra, tiny_engines, tiny_release
 from click.testing import CliRunner
 
 # Shared fixtures and helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
@@ -166,6 +166,23 @@ def test_say_model_dir_builds_engines_into_the_cache(stub_render, wavs, tmp_path
     assert rate == 24000 and audio.shape == (2400,)
 
 
+@pytest.fixture
+def hubs_answer(monkeypatch):
+    """The download sources' hosts count as reachable (the hubs themselves are faked by each test)."""
+    import trt_cosy.download as download_module
+
+    monkeypatch.setattr(download_module, "_probe", lambda source: None)
+
+
+def _fake_modelscope(monkeypatch, snapshot_download) -> None:
+    """``import modelscope`` gives a module whose snapshot_download is the given function."""
+    import types
+
+    module = types.ModuleType("modelscope")
+    module.snapshot_download = snapshot_download
+    monkeypatch.setitem(sys.modules, "modelscope", module)
+
+
 def _fake_hub(release: Path, calls: list):
     def snapshot_download(repo_id, local_dir, allow_patterns=None, **kwargs):
         calls.append((repo_id, tuple(allow_patterns or ())))
@@ -176,9 +193,9 @@ def _fake_hub(release: Path, calls: list):
 
 
 def test_say_without_a_model_downloads_builds_and_speaks(
-    stub_render, wavs, tmp_path, monkeypatch, tmp_path_factory, v2_tiny_dir
+    stub_render, wavs, tmp_path, monkeypatch, tmp_path_factory, v2_tiny_dir, hubs_answer
 ):
-    import huggingface_hub
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the [download] extra (huggingface_hub)")
 
     import trt_cosy.build.engines as build_module
 
@@ -202,22 +219,27 @@ def test_say_without_a_model_downloads_builds_and_speaks(
     assert str(release) in result.output and len(calls) == 1
 
 
-def test_no_network_gives_a_clear_message_and_no_file(wavs, tmp_path, monkeypatch):
-    import huggingface_hub
+def test_no_network_gives_a_clear_message_and_no_file(wavs, tmp_path, monkeypatch, hubs_answer):
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the [download] extra (huggingface_hub)")
 
     def offline(*args, **kwargs):
         raise ConnectionError("Network is unreachable")
 
     monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    _fake_modelscope(monkeypatch, offline)
     result = _invoke("download", "--dir", tmp_path / "release")
     assert result.exit_code == 2, result.output
     assert "Network is unreachable" in result.output and "--model-dir" in result.output
-    assert "git clone https://huggingface.co/FunAudioLLM/CosyVoice2-0.5B" in result.output
+    assert "could not reach huggingface (Network is unreachable); trying modelscope" in result.output
+    assert "git lfs install && git clone https://huggingface.co/FunAudioLLM/CosyVoice2-0.5B" in result.output
+    assert "trt-cosy make-test-model --out models/tiny" in result.output  # how to go on offline
+    assert not (tmp_path / "release").exists()  # the folder it made is removed again
     out = tmp_path / "out.wav"
     result = _invoke("say", "Hello.", "--ref", wavs["ref"], "-o", out)
     assert result.exit_code == 2 and "--model-dir" in result.output, result.output
     assert not out.exists()
+    assert not (tmp_path / "cache" / "models" / "CosyVoice2-0.5B").exists()
 
 
 def test_download_options_are_checked(tmp_path, monkeypatch):
@@ -327,7 +349,8 @@ def test_say_stream_writes_progressively_with_progress_and_plays(stub_render, wa
     )
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
-    assert "chunk 0: 0.10 s (first audio" in result.output and "RTF" in result.output
+    assert "segment 1/1, chunk 1: 0.10 s of audio so far (first audio" in result.output, result.output
+    assert "RTF" in result.output
     audio, rate = soundfile.read(out, dtype="float32")
     assert rate == 24000 and audio.shape == (2400,)
     heard = np.frombuffer(played.read_bytes(), dtype="<f4")
@@ -354,5 +377,195 @@ def test_say_stream_error_mid_request_leaves_no_file(injected, wavs, tmp_path, m
     text = "This sentence is about the weather and the sea and the wind today. " * 6
     result = _invoke("say", text, "--engines", tmp_path, "--ref", wavs["ref"], "-o", out, "--stream")
     assert result.exit_code == 2 and "simulated failure" in result.output, result.output
-    assert "chunk 0:" in result.output
+    assert ", chunk 1: " in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- progress, messages, options
+
+
+_LONG_TEXT = "This sentence is about the weather and the sea and the wind today. " * 6
+
+
+def test_say_progress_names_segments_audio_and_rtf_and_quiet_silences_it(stub_render, wavs, tmp_path, monkeypatch):
+    import trt_cosy.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "_PROGRESS_AFTER_S", 0.0)  # as if the synthesis were long
+    out = tmp_path / "out.wav"
+    result = _invoke("say", _LONG_TEXT, "--engines", tmp_path, "--ref", wavs["ref"], "-o", out)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("segment ")]
+    count = len(lines)
+    assert count > 1 and lines[0].startswith(f"segment 1/{count}: 0.10 s of audio so far (elapsed ")
+    assert lines[-1].startswith(f"segment {count}/{count}: {0.1 * count:.2f} s of audio so far")
+    assert all("RTF" in line and "chunk" not in line for line in lines)  # no stream chunks without --stream
+    result = _invoke("say", _LONG_TEXT, "--engines", tmp_path, "--ref", wavs["ref"], "-o", out, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"wrote {out}"
+
+
+def test_say_short_synthesis_prints_no_progress(stub_render, wavs, tmp_path):
+    out = tmp_path / "out.wav"
+    result = _invoke("say", "Hello.", "--engines", tmp_path, "--ref", wavs["ref"], "-o", out)
+    assert result.exit_code == 0 and result.output.strip() == f"wrote {out}", result.output
+
+
+def test_say_heartbeat_while_a_segment_renders(injected, wavs, tmp_path, monkeypatch):
+    import time
+
+    import trt_cosy.cli as cli_module
+
+    def slow_render(call, plan):
+        time.sleep(0.3)
+        return np.zeros(960, np.float32)
+
+    stub_models(monkeypatch, slow_render)
+    monkeypatch.setattr(cli_module, "_HEARTBEAT_S", 0.1)
+    result = _invoke("say", "Hello there.", "--engines", tmp_path, "--ref", wavs["ref"], "-o", tmp_path / "o.wav")
+    assert result.exit_code == 0, result.output
+    assert "still synthesising (segment 1, 0.00 s of audio so far, elapsed" in result.output
+
+
+def test_say_speaker_on_a_model_without_presets_answers_in_cli_terms(injected, tmp_path):
+    result = _invoke("say", "Hello.", "--engines", tmp_path, "--speaker", "中文女", "-o", tmp_path / "o.wav")
+    assert result.exit_code == 2, result.output
+    assert "this model has no preset speakers" in result.output and "use --ref" in result.output
+    assert "trt_cosy.Voice" not in result.output
+
+
+def test_say_unknown_speaker_lists_the_valid_names(injected, tmp_path, monkeypatch):
+    embedding = np.zeros(192, np.float32)
+    monkeypatch.setattr(injected, "speaker_embeddings", {"中文女": embedding, "英文男": embedding})
+    result = _invoke("say", "Hello.", "--engines", tmp_path, "--speaker", "nobody", "-o", tmp_path / "o.wav")
+    assert result.exit_code == 2, result.output
+    assert "unknown speaker 'nobody'; this model has: 中文女, 英文男" in result.output
+
+
+def test_voice_option_on_a_pickle_never_suggests_allow_pickle(injected, tmp_path):
+    pickled = tmp_path / "evil.npz"
+    np.savez(pickled, header=np.array([{"format": "trt-cosy-voice"}], dtype=object))
+    result = _invoke("say", "Hello.", "--engines", tmp_path, "--voice", pickled, "-o", tmp_path / "o.wav")
+    assert result.exit_code == 2, result.output
+    assert "is not a trt-cosy voice file" in result.output and "pickled Python objects" in result.output
+    assert "allow_pickle" not in result.output
+
+
+def test_voice_and_cosyvoice_repr_are_one_short_line(injected, wavs):
+    voice = injected.voice_from_wav(wavs["ref"], REF_TEXT)
+    text = repr(voice)
+    assert text.startswith("Voice(zero-shot, prompt_text=") and "prompt tokens" in text
+    assert "\n" not in text and len(text) < 250 and "array" not in text
+    text = repr(injected)
+    assert text.startswith("CosyVoice(model_id='v2-") and "sample_rate=24000" in text and len(text) < 200
+
+
+def test_verbose_after_the_subcommand(injected, tmp_path):
+    import logging
+
+    root = logging.getLogger()
+    level = root.level
+    try:
+        root.setLevel(logging.WARNING)
+        result = _invoke("voices", "list", "--engines", tmp_path, "-vv")
+        assert result.exit_code == 0, result.output
+        assert root.level == logging.DEBUG
+    finally:
+        root.setLevel(level)
+    result = _invoke("say", "--help")
+    assert "--verbose" in result.output
+
+
+def test_bench_and_serve_take_model_dir(tmp_path, monkeypatch, v2_tiny_dir):
+    require_build_extra()  # engines missing from the cache are built (faked here), which needs the extra
+    import trt_cosy.benchmark as benchmark_module
+    import trt_cosy.build.engines as build_module
+
+    monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build_module, "build_engines", lambda model_dir, out_dir, **kwargs: Path(out_dir))
+    measured = []
+    monkeypatch.setattr(benchmark_module, "run_bench", lambda path, options, progress: measured.append(path) or {})
+    monkeypatch.setattr(benchmark_module, "format_bench", lambda report: "report")
+    result = _invoke("bench", "--model-dir", v2_tiny_dir)
+    assert result.exit_code == 0, result.output
+    assert measured == [engines_cache_dir(v2_tiny_dir)]
+    result = _invoke("bench")
+    assert result.exit_code == 2 and "pass --engines ENGINES" in result.output, result.output
+    result = _invoke("serve", "--help")
+    assert "--model-dir" in result.output
+
+
+def test_make_test_model_on_a_full_folder_refuses_before_importing_torch(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "keep.txt").write_text("mine", encoding="utf-8")
+    code = BLOCK_TORCH + textwrap.dedent(
+        f"""
+        from trt_cosy.cli import main
+        main(["make-test-model", "--out", {str(tmp_path / "model")!r}])
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "exists and is not empty" in result.stderr and "--overwrite" in result.stderr
+    assert (tmp_path / "model" / "keep.txt").read_text(encoding="utf-8") == "mine"
+
+
+# ----------------------------------------------------------------------------- download: sources and probes
+
+
+def test_download_falls_back_to_the_other_source_when_the_first_is_unreachable(
+    tmp_path, monkeypatch, tmp_path_factory, v2_tiny_dir
+):
+    import trt_cosy.download as download_module
+
+    def probe(source):
+        if source == "huggingface":
+            raise download_module._Unreachable("cannot reach huggingface.co:443: Name or service not known")
+
+    monkeypatch.setattr(download_module, "_probe", probe)
+    calls: list = []
+    _fake_modelscope(monkeypatch, _fake_hub(tiny_release(tmp_path_factory, v2_tiny_dir), calls))
+    result = _invoke("download", "--dir", tmp_path / "release")
+    assert result.exit_code == 0, result.output
+    assert "could not reach huggingface (cannot reach huggingface.co:443" in result.output
+    assert "trying modelscope" in result.output
+    assert [repo for repo, _ in calls] == ["iic/CosyVoice2-0.5B"]
+    assert (tmp_path / "release" / "llm.pt").is_file()
+
+
+def test_download_other_errors_do_not_fall_back_and_a_repo_id_has_one_source(tmp_path, monkeypatch, hubs_answer):
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the [download] extra (huggingface_hub)")
+
+    tried = []
+
+    def not_found(repo_id, **kwargs):
+        tried.append(repo_id)
+        raise ValueError(f"Repository Not Found for url: https://huggingface.co/api/models/{repo_id}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", not_found)
+    _fake_modelscope(monkeypatch, lambda *args, **kwargs: tried.append("modelscope"))
+    result = _invoke("download", "--dir", tmp_path / "a")
+    assert result.exit_code == 2 and "Repository Not Found" in result.output, result.output
+    result = _invoke("download", "someone/CosyVoice2-copy", "--dir", tmp_path / "b")
+    assert result.exit_code == 2 and "trying" not in result.output, result.output
+    assert tried == ["FunAudioLLM/CosyVoice2-0.5B", "someone/CosyVoice2-copy"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_unreachable_host_fails_fast_and_proxies_skip_the_probe(monkeypatch):
+    import socket
+    import time
+
+    import trt_cosy.download as download_module
+
+    for name in download_module._PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as closed:  # a loopback port that nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("MODELSCOPE_DOMAIN", f"127.0.0.1:{port}")
+    started = time.monotonic()
+    with pytest.raises(download_module._Unreachable, match=f"cannot reach 127.0.0.1:{port}"):
+        download_module._probe("modelscope")
+    assert time.monotonic() - started < 5
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    download_module._probe("modelscope")  # behind a proxy only the hub client knows the way

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs the [build] extra (torch)")
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
 from _support import BLOCK_TORCH, shared_tiny_engines
 
 from trt_cosy.build import engines as build_module

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from test_flow_step import CFG_RATE, MELS, _host_solve, _inputs, _NumpyEstimator, _scaled_error, _velocity
+from trt_fakes import FAKE_TRT, FakeContext, FakeEngine, aligned_block
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.runtime import cuda
@@ -58,9 +59,7 @@ class _FakeCuda:
         return (_Err.cudaSuccess, self.handles)
 
     def cudaMalloc(self, size):
-        block = ctypes.create_string_buffer(size)
-        self.blocks[ctypes.addressof(block)] = block
-        return (_Err.cudaSuccess, ctypes.addressof(block))
+        return (_Err.cudaSuccess, aligned_block(self.blocks, size))  # 256-byte aligned, as cudaMalloc's
 
     cudaMallocHost = cudaMalloc
 
@@ -97,6 +96,9 @@ class _FakeCuda:
         self.calls.append(("record", event, stream))
         return self.OK
 
+    def cudaEventQuery(self, event):
+        return self.OK  # host memory: everything queued has already happened
+
     def cudaStreamDestroy(self, handle):
         return self.OK
 
@@ -111,28 +113,12 @@ def _array(ptr: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer((ctypes.c_float * count).from_address(ptr), np.float32).reshape(shape)
 
 
-class _FakeStepContext:
-    """Runs one guided Euler step in numpy on the bound "device" addresses."""
+class _FakeStepContext(FakeContext):
+    """Runs one guided Euler step in numpy on the bound "device" addresses (tests/trt_fakes.py's
+    context, so a shared profile, a launch on an unsynchronised stream, a misaligned or unset address
+    and missing activation memory all fail as they do on TensorRT)."""
 
-    def __init__(self, calls: list):
-        self.calls, self.shapes, self.addresses = calls, {}, {}
-
-    def set_optimization_profile_async(self, index, stream):
-        self.shapes = {}
-        return True
-
-    def set_input_shape(self, name, shape):
-        self.shapes[name] = tuple(shape)
-        return True
-
-    def get_tensor_shape(self, name):
-        return self.shapes["x"] if name == "x_next" else self.shapes[name]
-
-    def set_tensor_address(self, name, ptr):
-        self.addresses[name] = ptr
-        return True
-
-    def execute_async_v3(self, stream):
+    def run(self, stream_handle):
         values = {name: _array(self.addresses[name], shape) for name, shape in self.shapes.items()}
         x, t, dt = values["x"], values["t"], values["dt"]  # [1, 80, F], [1], [1]
         pair = {**values, "x": np.concatenate([x, x]), "t": np.repeat(t, 2)}
@@ -140,31 +126,20 @@ class _FakeStepContext:
         guided, unguided = np.float32(1.0 + CFG_RATE), np.float32(CFG_RATE)
         velocity = guided * velocity[0:1] - unguided * velocity[1:2]  # [1, 80, F]
         _array(self.addresses["x_next"], x.shape)[...] = x + dt[0] * velocity
-        self.calls.append(("execute", dict(self.addresses), float(t[0]), float(dt[0])))
-        return True
+        self.engine.log.append(("execute", dict(self.addresses), float(t[0]), float(dt[0])))
 
 
-class _FakeStepEngine:
-    names = (*FLOW_STEP.input_names, *FLOW_STEP.output_names)
-    num_io_tensors = len(names)
-
-    def __init__(self, calls: list, profiles: int, context=_FakeStepContext):
-        self.calls, self.num_optimization_profiles, self.context = calls, profiles, context
-
-    def get_tensor_name(self, index):
-        return self.names[index]
-
-    def get_tensor_mode(self, name):
-        return "out" if name == "x_next" else "in"
-
-    def get_tensor_dtype(self, name):
-        return np.float32
-
-    def create_execution_context(self):
-        return self.context(self.calls)
-
-
-FAKE_TRT = SimpleNamespace(TensorIOMode=SimpleNamespace(INPUT="in", OUTPUT="out"), nptype=lambda dtype: dtype)
+def _step_engine(log: list, profiles: GraphProfiles, slots: int, context=_FakeStepContext) -> FakeEngine:
+    engine = FakeEngine(
+        profiles,
+        outputs=FLOW_STEP.output_names,
+        compute=None,
+        output_shape=lambda shapes, name: shapes["x"],  # x_next: [1, 80, F]
+        slots=slots,
+        context=context,
+    )
+    engine.log = log  # the step log shares the cuda calls' list, so launches and copies are ordered
+    return engine
 
 
 def _estimator_profiles() -> GraphProfiles:
@@ -196,9 +171,10 @@ def fake_cuda(monkeypatch):
 def step_runner(fake_cuda):
     profiles = step_profiles(_estimator_profiles(), "flow_step")
     with TrtRunner(
-        _FakeStepEngine(fake_cuda.calls, 2), "flow_step", profiles, trt=FAKE_TRT, slots=2
+        _step_engine(fake_cuda.calls, profiles, slots=2), "flow_step", profiles, trt=FAKE_TRT, slots=2
     ) as runner:
         yield runner
+    assert runner.engine.failures == [], runner.engine.failures
 
 
 def test_step_profiles_keep_the_estimator_ranges(v2_tiny_dir):
@@ -292,7 +268,7 @@ def _device_copy_context(log_ptr: int):
     class _Context(_FakeStepContext):
         launches = 0  # shared by the contexts of one engine: one log
 
-        def execute_async_v3(self, stream):
+        def run(self, stream):
             runtime, entry = cuda.bindings(), log_ptr + 8 * _Context.launches
             kind = runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice
             nbytes = 4 * int(np.prod(self.shapes["x"]))
@@ -304,8 +280,7 @@ def _device_copy_context(log_ptr: int):
             ):
                 cuda.cuda_call(runtime.cudaMemcpyAsync(target, source, count, kind, stream))
             _Context.launches += 1
-            self.calls.append(("execute", dict(a)))
-            return True
+            self.engine.log.append(("execute", dict(a)))
 
     return _Context
 
@@ -326,8 +301,8 @@ def test_device_loop_on_a_gpu(monkeypatch):
     steps, frames, calls = 10, 300, []
     schedule = step_schedule(cosine_t_span(steps))
     with cuda.DeviceBuffer(2 * 8 * steps) as log:
-        engine = _FakeStepEngine(calls, 2, _device_copy_context(log.ptr))
         profiles = step_profiles(default_profiles(_tiny_config())["flow_estimator"], "flow_step")
+        engine = _step_engine(calls, profiles, 1, _device_copy_context(log.ptr))
         runner = TrtRunner(engine, "flow_step", profiles, trt=FAKE_TRT, slots=1)
         loop = DeviceEulerLoop(runner, schedule)
         inputs = _inputs(frames)

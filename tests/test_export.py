@@ -13,6 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs the [build] extra (torch)")
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
 import torch
 from _support import shared_tiny_engines
 from torch import nn

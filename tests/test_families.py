@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _support import require_build_extra
 
 # Shared helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
 from test_tts import REF_TEXT, reference_wavs
@@ -51,6 +52,7 @@ def family_release(factory: pytest.TempPathFactory, family: str) -> Path:
     Built once per session in the pytest base temp (the e2e tests build their engines from it and
     verify them against the golden reference with it as ``--model-dir``).
     """
+    require_build_extra()
     from trt_cosy.build.testmodel import make_test_model
 
     base = factory.getbasetemp()

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+from _support import require_build_extra
 from click.testing import CliRunner
 from test_families import GOLDEN, INSTRUCT, family_release
 from test_tts import REF_TEXT, reference_wavs
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 def family_engines(factory: pytest.TempPathFactory, family: str) -> Path:
     """ONNX Runtime engines of ``family_release``, built once per session (later calls are manifest skips)."""
+    require_build_extra()
     from trt_cosy.build.engines import build_engines
 
     return build_engines(family_release(factory, family), factory.getbasetemp() / f"{family}-tiny-engines")

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs the [build] extra (torch)")
+
 import torch
 
 from trt_cosy.build.modules.flow import EstimatorGraph, FlowEncoderGraph, load_flow

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _support import require_build_extra
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import TrtCosyError
@@ -205,6 +206,7 @@ def model_config(v2_tiny_dir) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def flow(v2_tiny_dir, model_config):
+    require_build_extra()
     from trt_cosy.build.modules.flow import load_flow
 
     return load_flow(v2_tiny_dir, model_config.flow)

@@ -6,6 +6,10 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
 from onnx import TensorProto, helper, numpy_helper
 
 _SPEC = importlib.util.spec_from_file_location(

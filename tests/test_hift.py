@@ -7,6 +7,9 @@ import math
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs the [build] extra (torch)")
+
 import torch
 import torch.nn.functional as F
 from torch import nn

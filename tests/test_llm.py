@@ -7,6 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs the [build] extra (torch)")
+
 import torch
 
 from trt_cosy.build.modules.llm import LLMGraph, embedding_tables, load_llm

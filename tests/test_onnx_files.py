@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper

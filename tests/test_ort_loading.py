@@ -7,12 +7,16 @@ estimator and sessions on the shared arena give bit-identical outputs to plain e
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
+import onnxruntime as ort
 from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 
@@ -188,6 +192,9 @@ def test_shared_arena_engines_match_private_sessions(tiny_engines):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("fastapi") is None, reason="the server's warm-up needs the [serve] extra (fastapi)"
+)
 def test_server_warm_up_creates_the_deferred_streaming_session(tiny_engines):
     from trt_cosy.server.app import warm_up
     from trt_cosy.tts import CosyVoice

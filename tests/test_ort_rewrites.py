@@ -11,8 +11,11 @@ import copy
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.build.ort_passes import EQUIVALENCE_TOLERANCE, GRAPH_REWRITES, check_equivalent, rewrite_model

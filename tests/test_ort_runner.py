@@ -7,6 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
 from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 

@@ -9,8 +9,11 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.build.precision import (

@@ -10,8 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
+
+pytest.importorskip("torch", reason="needs the [build] extra (torch)")
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
+import onnx
 from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 

@@ -17,8 +17,12 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
+
+pytest.importorskip("torch", reason="needs the [build] extra (torch)")
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
+import onnx
 import soundfile
 from click.testing import CliRunner
 from test_families import GOLDEN

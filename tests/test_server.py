@@ -22,6 +22,9 @@ import soundfile
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("python_multipart")
+pytest.importorskip(
+    "prometheus_client", reason="the server's metrics need prometheus-client (the [serve] extra)"
+)
 httpx = pytest.importorskip("httpx")
 
 # Shared fixtures and helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
@@ -125,6 +128,17 @@ def upload_voice(url: str, name: str, wav: Path, text: str | None = REF_TEXT, qu
         return httpx.post(
             f"{url}/v1/voices{query}", files={"file": (wav.name, stream, "audio/wav")}, data=data, timeout=60
         )
+
+
+def metric_value(text: str, sample: str, **labels: str) -> float:
+    """One sample of a Prometheus exposition, parsed with prometheus_client's parser; 0 when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == sample and found.labels == labels:
+                return found.value
+    return 0.0
 
 
 def decode(data: bytes) -> tuple[np.ndarray, int]:
@@ -259,7 +273,12 @@ def test_concurrent_clients_all_get_their_audio(served):
     )
     assert alone.content == results[2].content  # concurrency does not change a seeded request
     metrics = httpx.get(url + "/metrics").text
-    assert "trt_cosy_active_requests 0" in metrics and "trt_cosy_queue_depth 0" in metrics
+    assert (
+        metric_value(metrics, "trt_cosy_active_requests")
+        == metric_value(metrics, "trt_cosy_queue_depth")
+        == 0
+    )
+    assert metric_value(metrics, "trt_cosy_http_requests_total", path="/v1/audio/speech", status="200") >= 4
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ overload, timeouts and disconnects are deterministic.
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 import time
@@ -24,7 +23,14 @@ pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
 from _support import tiny_release  # noqa: E402
-from test_server import RecordingTTS, assert_error, running_server, upload_voice, wait_ready  # noqa: E402
+from test_server import (  # noqa: E402
+    RecordingTTS,
+    assert_error,
+    metric_value,
+    running_server,
+    upload_voice,
+    wait_ready,
+)
 from test_tts import make_torch_tts, reference_wavs  # noqa: E402
 
 from trt_cosy.frontend.voice import Voice  # noqa: E402
@@ -59,9 +65,8 @@ def scripted(torch_tts) -> RecordingTTS:
     return RecordingTTS(torch_tts, scripted_chunks=3)
 
 
-def _metric(text: str, name: str, labels: str = "") -> float:
-    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+def _gauge(url: str, name: str) -> float:
+    return metric_value(httpx.get(url + "/metrics").text, name)
 
 
 def _post_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:
@@ -120,10 +125,10 @@ def test_bad_requests_get_a_json_4xx_and_the_server_stays_up(scripted, voices_di
         metrics = httpx.get(url + "/metrics").text
     assert scripted.requests and all(record["closed"] for record in scripted.requests)
     assert (
-        _metric(metrics, "trt_cosy_http_errors_total", '{path="/v1/audio/speech",code="invalid_request"}')
+        metric_value(metrics, "trt_cosy_http_errors_total", path="/v1/audio/speech", code="invalid_request")
         == 10  # 9 in BAD_BODIES and the one without a content type
     )
-    assert _metric(metrics, "trt_cosy_http_requests_total", '{path="/v1/audio/speech",status="200"}') == 1
+    assert metric_value(metrics, "trt_cosy_http_requests_total", path="/v1/audio/speech", status="200") == 1
 
 
 def test_chunked_body_over_the_limit_is_refused_while_it_arrives(scripted, voices_dir):
@@ -145,12 +150,14 @@ def test_health_and_requests_wait_for_warm_up(scripted, voices_dir):
     with running_server(scripted, voices_dir) as url:
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "warming_up", health.text
-        assert_error(httpx.post(url + SPEECH, json=GOOD), 503, "not_ready")
-        assert "trt_cosy_ready 0" in httpx.get(url + "/metrics").text
+        not_ready = httpx.post(url + SPEECH, json=GOOD)
+        assert_error(not_ready, 503, "not_ready")
+        assert health.headers["retry-after"] == not_ready.headers["retry-after"] == "5"
+        assert _gauge(url, "trt_cosy_ready") == 0
         scripted.gate.set()
         wait_ready(url)
         assert httpx.get(url + "/health").json()["status"] == "ok"
-        assert "trt_cosy_ready 1" in httpx.get(url + "/metrics").text
+        assert _gauge(url, "trt_cosy_ready") == 1
 
 
 # ----------------------------------------------------------------------------- load
@@ -161,14 +168,15 @@ def test_overload_is_answered_429_at_once_and_queued_requests_complete(scripted,
         wait_ready(url)
         scripted.gate.clear()
         running, running_out = _post_in_thread(url + SPEECH, GOOD)
-        _wait_for(lambda: "trt_cosy_active_requests 1" in httpx.get(url + "/metrics").text)
+        _wait_for(lambda: _gauge(url, "trt_cosy_active_requests") == 1)
         queued, queued_out = _post_in_thread(url + SPEECH, GOOD)
-        _wait_for(lambda: "trt_cosy_queue_depth 1" in httpx.get(url + "/metrics").text)
+        _wait_for(lambda: _gauge(url, "trt_cosy_queue_depth") == 1)
         started = time.perf_counter()
         refused = httpx.post(url + SPEECH, json=GOOD, timeout=5)
         assert time.perf_counter() - started < 2.0
         assert_error(refused, 429, "server_overloaded")
         assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert refused.headers["retry-after"] == "2"
         scripted.gate.set()
         running.join(30)
         queued.join(30)
@@ -181,8 +189,10 @@ def test_queue_wait_and_synthesis_are_bounded_by_the_request_timeout(scripted, v
         wait_ready(url)
         scripted.gate.clear()
         first, first_out = _post_in_thread(url + SPEECH, GOOD)
-        _wait_for(lambda: "trt_cosy_active_requests 1" in httpx.get(url + "/metrics").text)
-        assert_error(httpx.post(url + SPEECH, json=GOOD, timeout=10), 503, "queue_timeout")
+        _wait_for(lambda: _gauge(url, "trt_cosy_active_requests") == 1)
+        queue_timeout = httpx.post(url + SPEECH, json=GOOD, timeout=10)
+        assert_error(queue_timeout, 503, "queue_timeout")
+        assert queue_timeout.headers["retry-after"] == "2"
         time.sleep(0.3)  # the first request's time runs out while its first chunk is blocked
         scripted.gate.set()
         first.join(30)
@@ -209,8 +219,8 @@ def test_client_disconnect_stops_the_synthesis(scripted, voices_dir):
         _wait_for(lambda: record["closed"])
         assert not record["finished"] and len(record["times"]) < 40, len(record["times"])
         metrics = httpx.get(url + "/metrics").text
-        assert _metric(metrics, "trt_cosy_syntheses_cancelled_total", '{reason="disconnect"}') == 2
-        assert "trt_cosy_active_requests 0" in metrics
+        assert metric_value(metrics, "trt_cosy_syntheses_cancelled_total", reason="disconnect") == 2
+        assert metric_value(metrics, "trt_cosy_active_requests") == 0
         scripted.scripted_chunks, scripted.delay_s = 3, 0.0
         assert httpx.post(url + SPEECH, json=GOOD).status_code == 200  # the slot was given back
 
@@ -289,27 +299,26 @@ def test_metrics_are_valid_prometheus_text(scripted, voices_dir):
             == 200
         )
         response = httpx.get(url + "/metrics")
+        openmetrics = httpx.get(url + "/metrics", headers={"Accept": "application/openmetrics-text"})
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     text = response.text
-    for name in (
-        "trt_cosy_http_requests_total",
-        "trt_cosy_http_errors",
-        "trt_cosy_http_request_duration_seconds_bucket",
-        "trt_cosy_time_to_first_audio_seconds_count 1",
-        "trt_cosy_rtf_count 1",
-        "trt_cosy_queue_depth 0",
-        "trt_cosy_active_requests 0",
-        "trt_cosy_audio_seconds_total 0.3",
-    ):
-        assert name in text, name
-    try:  # a second opinion on the format where the official client library is installed
-        from prometheus_client import parser
-    except ImportError:
-        return
+    assert metric_value(text, "trt_cosy_http_requests_total", path="/v1/audio/speech", status="200") == 1
+    assert metric_value(text, "trt_cosy_http_request_duration_seconds_count", path="/v1/audio/speech") == 1
+    assert metric_value(text, "trt_cosy_time_to_first_audio_seconds_count") == 1
+    assert metric_value(text, "trt_cosy_rtf_count") == 1
+    assert metric_value(text, "trt_cosy_queue_depth") == metric_value(text, "trt_cosy_active_requests") == 0
+    assert metric_value(text, "trt_cosy_audio_seconds_total") == pytest.approx(0.3)  # 3 scripted 0.1 s chunks
+    assert metric_value(text, "trt_cosy_ready") == 1
+    from prometheus_client import parser
+
     families = {family.name: family for family in parser.text_string_to_metric_families(text)}
     assert families["trt_cosy_http_request_duration_seconds"].type == "histogram"
     assert families["trt_cosy_time_to_first_audio_seconds"].type == "histogram"
     assert families["trt_cosy_http_requests"].type == "counter"
+    assert families["trt_cosy_http_errors"].type == "counter"
+    # A scraper that asks for OpenMetrics gets it (content negotiation by the library).
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.rstrip().endswith("# EOF")
 
 
 def test_serve_command_binds_loopback_with_the_given_limits(torch_tts, tmp_path, monkeypatch):

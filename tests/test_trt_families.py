@@ -10,8 +10,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
+import onnx
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 

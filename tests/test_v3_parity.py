@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytest.importorskip("torch", reason="needs the [build] extra (torch)")
+
 from trt_cosy.build.modules.causal_hift import CausalHiFTGraph
 from trt_cosy.build.reference_v3 import load_torch_model_v3
 from trt_cosy.build.torch_runner import TorchRunner

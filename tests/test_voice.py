@@ -8,6 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
+
 import soundfile
 
 from trt_cosy.build.standin_onnx import write_standin_campplus, write_standin_speech_tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -17,14 +18,21 @@ _BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 class _Group(click.Group):
-    """Turns TrtCosyError into a one-line message and exit status 2 (no traceback)."""
+    """Turns TrtCosyError into a one-line message and exit status 2 (no traceback); Ctrl-C and SIGTERM
+    into a line and the shell's status for the signal (130, 143)."""
 
     def invoke(self, ctx: click.Context):
+        from .interrupts import exit_status, signal_name, sigterm_raises
+
         try:
-            return super().invoke(ctx)
+            with sigterm_raises():  # SIGTERM unwinds like Ctrl-C: temporary files are removed
+                return super().invoke(ctx)
         except TrtCosyError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt as exc:
+            click.echo(f"interrupted ({signal_name(exc)})", err=True)
+            sys.exit(exit_status(exc))
 
 
 @click.group(cls=_Group)
@@ -32,8 +40,29 @@ class _Group(click.Group):
 @click.option("-v", "--verbose", count=True, help="-v for info, -vv for debug logging.")
 def main(verbose: int) -> None:
     """Fast CosyVoice inference: build engines, verify parity, speak."""
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=_log_level(verbose), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _log_level(verbose: int) -> int:
+    return logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+
+
+def _more_verbose(ctx: click.Context, param: click.Parameter, verbose: int) -> None:
+    """-v / -vv given after the subcommand: lower the root logger's level (never raise it)."""
+    if verbose:
+        root = logging.getLogger()
+        root.setLevel(min(root.getEffectiveLevel(), _log_level(verbose)))
+
+
+def _add_verbose_option(command: click.Command) -> None:
+    """Accept -v / -vv after the subcommand too (``trt-cosy say ... -vv``), in every command."""
+    command.params.append(
+        click.Option(["-v", "--verbose"], count=True, expose_value=False, callback=_more_verbose,
+                     help="-v for info, -vv for debug logging.")
+    )
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _add_verbose_option(sub)
 
 
 @main.command()
@@ -109,8 +138,10 @@ def _engines_precision(engines: Path | None) -> str | None:
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --out directory.")
 def make_test_model(out: Path, family: str, size: str, seed: int, overwrite: bool) -> None:
     """Write a random-weight release directory (official layout) for tests and benchmarks."""
-    from .errors import require
+    from .errors import InputError, require
 
+    if out.is_dir() and any(out.iterdir()) and not overwrite:  # before the slow torch import
+        raise InputError(f"{out} exists and is not empty; choose another --out or pass --overwrite.")
     require("torch", "build")
     from .build.testmodel import make_test_model as write
 
@@ -133,26 +164,42 @@ def _check_one_of(**options: object) -> None:
         raise click.UsageError(f"pass only one of {', '.join('--' + name for name in options)}.")
 
 
-def _engines_dir(engines: Path | None, model_dir: Path | None, source: str, precision: str | None) -> Path:
+def _engines_dir(
+    engines: Path | None, model_dir: Path | None, source: str, precision: str | None, quiet: bool = False
+) -> Path:
     """--engines as given; --model-dir built into the cache when needed; neither: the default model."""
     from .download import DEFAULT_MODEL, download_model, prepare_engines
 
+    progress = None if quiet else _progress
     _check_one_of(engines=engines, **{"model-dir": model_dir})
     if engines is not None:
         return engines
     if model_dir is None:
-        _progress(f"no --engines or --model-dir: using {DEFAULT_MODEL} (downloaded and built on first use)")
-        model_dir = download_model(DEFAULT_MODEL, source)
-    return prepare_engines(model_dir, progress=_progress, precision=precision)
+        if progress is not None:
+            progress(f"no --engines or --model-dir: using {DEFAULT_MODEL} (downloaded and built on first use)")
+        model_dir = download_model(DEFAULT_MODEL, source, progress=progress)
+    return prepare_engines(model_dir, progress=progress, precision=precision)
+
+
+def _engines_or_model_dir(engines: Path | None, model_dir: Path | None) -> Path:
+    """`serve` and `bench`: --engines, or engines built into the cache from --model-dir (one is needed)."""
+    if engines is None and model_dir is None:
+        raise click.UsageError("pass --engines ENGINES (from `trt-cosy build`) or --model-dir RELEASE_DIR.")
+    return _engines_dir(engines, model_dir, "huggingface", None)
 
 
 def _load_tts(
-    engines: Path | None, model_dir: Path | None, source: str, threads: int | None, precision: str | None
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    threads: int | None,
+    precision: str | None,
+    quiet: bool = False,
 ):
     from .synthesis import EngineConfig
     from .tts import CosyVoice
 
-    path = _engines_dir(engines, model_dir, source, precision)
+    path = _engines_dir(engines, model_dir, source, precision, quiet)
     return CosyVoice.load(path, config=EngineConfig(threads=threads))
 
 
@@ -226,6 +273,7 @@ def _engine_options(command):
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
 @click.option("--stream", is_flag=True, help="Stream: write (and --play) audio while it is generated.")
 @click.option("--play", is_flag=True, help="Also play the audio as it comes (aplay, paplay or ffplay).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr (errors are still shown).")
 def say(
     text: str,
     engines: Path | None,
@@ -242,10 +290,16 @@ def say(
     seed: int | None,
     stream: bool,
     play: bool,
+    quiet: bool,
 ) -> None:
-    """Speak TEXT in the voice of --ref, --voice or --speaker into a wav file (written atomically)."""
+    """Speak TEXT in the voice of --ref, --voice or --speaker into a wav file (written atomically).
+
+    The text is normalised and merged into segments as the official frontend does; segments are
+    spoken one after another (with --stream, each in several chunks as the LLM speaks). Ctrl-C or
+    SIGTERM stops within about a second and leaves no file.
+    """
     from .frontend.voice import Voice
-    from .synthesis import AudioPlayer, SynthesisConfig, write_audio
+    from .synthesis import AudioPlayer, SynthesisConfig
 
     _check_one_of(ref=ref, voice=voice_file, speaker=speaker)
     if ref is None and voice_file is None and speaker is None:
@@ -256,23 +310,18 @@ def say(
         raise click.UsageError("--ref-text goes with --ref.")
     config = SynthesisConfig(stream=stream, instruct=instruct)
     voice = Voice.load(voice_file) if voice_file is not None else speaker
-    tts = _load_tts(engines, model_dir, source, threads, precision)
+    tts = _load_tts(engines, model_dir, source, threads, precision, quiet=quiet)
     if voice is None:
         voice = tts.voice_from_wav(ref, ref_text)
+    elif isinstance(voice, str):
+        voice = _preset_voice(tts, voice)
     chunks = tts.synthesize(text, voice, seed=seed, config=config)
     player = AudioPlayer.open(tts.sample_rate) if play else None
     if play and player is None:
         _progress("--play: no audio player found (aplay, paplay or ffplay); writing the file only")
-
-    def on_chunk(chunk) -> None:
-        if player is not None:
-            player.play(chunk)
-        t = chunk.timings
-        _progress(f"chunk {chunk.index}: {chunk.duration:.2f} s (first audio {t['first_audio_s']:.2f} s, "
-                  f"elapsed {t['elapsed_s']:.2f} s, RTF {t['rtf']:.2f})")
-
+    progress = _SynthesisProgress(stream=stream, quiet=quiet)
     try:
-        write_audio(chunks, out, tts.sample_rate, on_chunk=on_chunk)
+        _write_interruptibly(chunks, out, tts.sample_rate, player, progress)
     except BaseException:
         if player is not None:
             player.close(wait=False)
@@ -280,6 +329,88 @@ def say(
     if player is not None:
         player.close()  # until everything was played
     click.echo(f"wrote {out}")
+
+
+def _preset_voice(tts, name: str):
+    """``tts``'s preset speaker ``name``, or an error in command-line terms."""
+    from .errors import InputError
+
+    if not tts.speakers:
+        raise InputError(
+            f"this model has no preset speakers (only CosyVoice-300M-SFT and -Instruct have them), so "
+            f"--speaker {name} cannot be used; use --ref ref.wav [--ref-text ...] or --voice voice.npz."
+        )
+    if name not in tts.speakers:
+        raise InputError(f"unknown speaker {name!r}; this model has: {', '.join(tts.speakers)}.")
+    return tts.preset_voice(name)
+
+
+_PROGRESS_AFTER_S = 2.0  # synthesis shorter than this prints no progress (unless --stream)
+_HEARTBEAT_S = 5.0  # with no new audio for this long, say that work goes on
+
+
+class _SynthesisProgress:
+    """Progress lines of `say` on stderr: per chunk (segment i/n, audio so far, RTF) and a heartbeat."""
+
+    def __init__(self, stream: bool, quiet: bool):
+        self._clock = time.perf_counter
+        self.stream, self.quiet = stream, quiet
+        self.started = self.last_line = self._clock()
+        self.audio_s = 0.0
+        self.where = "segment 1"
+
+    def chunk(self, chunk) -> None:
+        t = chunk.timings
+        self.audio_s += chunk.duration
+        self.where = f"segment {chunk.segment + 1}/{chunk.segments}"
+        if self.quiet or not (self.stream or t["elapsed_s"] >= _PROGRESS_AFTER_S):
+            return
+        part = f", chunk {chunk.index + 1}" if self.stream else ""
+        first = f"first audio {t['first_audio_s']:.2f} s, " if self.stream else ""
+        self._line(f"{self.where}{part}: {self.audio_s:.2f} s of audio so far "
+                   f"({first}elapsed {t['elapsed_s']:.2f} s, RTF {t['rtf']:.2f})")
+
+    def waiting(self) -> None:
+        now = self._clock()
+        if not self.quiet and now - self.last_line >= _HEARTBEAT_S:
+            self._line(f"still synthesising ({self.where}, {self.audio_s:.2f} s of audio so far, "
+                       f"elapsed {now - self.started:.0f} s)")
+
+    def _line(self, message: str) -> None:
+        self.last_line = self._clock()
+        _progress(message)
+
+
+def _temp_files(out: Path) -> set[Path]:
+    """The temporary files ``write_audio`` makes next to ``out`` (``.<name>.<random>.tmp``)."""
+    return set(out.parent.glob(f".{out.name}.*.tmp"))
+
+
+def _write_interruptibly(chunks, out: Path, sample_rate: int, player, progress: _SynthesisProgress) -> None:
+    """``write_audio`` in a worker thread so that Ctrl-C / SIGTERM stop `say` within about a second
+    and leave no file, even while a long graph runs (``trt_cosy.interrupts``)."""
+    from .interrupts import Interrupted, run_interruptible
+    from .synthesis import write_audio
+
+    before = _temp_files(out) if out.parent.is_dir() else set()
+
+    def work(stop) -> Path:
+        def on_chunk(chunk) -> None:
+            if stop.is_set():
+                raise Interrupted()  # write_audio removes its temporary file and closes the synthesis
+            if player is not None:
+                player.play(chunk)
+            progress.chunk(chunk)
+
+        return write_audio(chunks, out, sample_rate, on_chunk=on_chunk)
+
+    def abandon() -> None:
+        if player is not None:
+            player.close(wait=False)
+        for path in _temp_files(out) - before:
+            path.unlink(missing_ok=True)
+
+    run_interruptible(work, abandon, on_wait=progress.waiting, name="trt-cosy-say")
 
 
 @main.group()
@@ -351,17 +482,19 @@ def download(name: str, source: str, target: Path | None) -> None:
     """Fetch a release (NAME: CosyVoice2-0.5B or a repository id) with the files inference needs."""
     from .download import download_model
 
-    path = download_model(name, source, target)
+    path = download_model(name, source, target, progress=_progress)
     click.echo(
         f'release ready in {path}; speak with: trt-cosy say "Hello." --model-dir {path} --ref ref.wav -o out.wav'
     )
 
 
 @main.command()
-@click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--engines", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Engines directory from `trt-cosy build`.")
+@click.option("--model-dir", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Official release directory instead of --engines: engines are built into the cache when needed.")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind. Loopback by default: the server has no authentication.")
+              help="Address to bind. Loopback by default; anything else should have --api-key.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of stored voices (default: the trt-cosy cache, voices/<model id>).")
@@ -372,30 +505,36 @@ def download(name: str, source: str, target: Path | None) -> None:
               help="Requests waiting for a slot; more are answered 429.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
               show_default=True, help="Per-request time limit, seconds.")
-def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads: int | None,
-          max_concurrent: int, max_queue: int, timeout_s: float) -> None:
+@click.option("--api-key", envvar="TRT_COSY_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health and the playground page.")
+def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
+          threads: int | None, max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from .errors import require
 
-    for module in ("fastapi", "uvicorn", "python_multipart"):
+    for module in ("fastapi", "uvicorn", "python_multipart", "prometheus_client"):
         require(module, "serve")
     from .download import cache_root
     from .server import ServerSettings, run_server
     from .synthesis import EngineConfig
     from .tts import CosyVoice
 
+    engines = _engines_or_model_dir(engines, model_dir)
     tts = CosyVoice.load(engines, config=EngineConfig(threads=threads))
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
-        max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s,
+        max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,
     )
     click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
+    click.echo(f"playground: http://{host}:{port}/" + ("" if api_key is None else " (API key required)"), err=True)
     run_server(tts, settings)
 
 
 @main.command()
-@click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--engines", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Engines directory to measure (trt-cosy build --out).")
+@click.option("--model-dir", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Official release directory instead of --engines: engines are built into the cache when needed.")
 @click.option("--tokens", type=int, default=250, show_default=True, help="Speech tokens per run (25 per second of audio).")
 @click.option("--text", default=None, help="Text to tokenise instead of 24 random text tokens.")
 @click.option("--stream", is_flag=True, help="Also time the first audio of the official streaming schedule.")
@@ -405,7 +544,7 @@ def serve(engines: Path, host: str, port: int, voices_dir: Path | None, threads:
 @click.option("--no-cold-start", is_flag=True, help="Do not time fresh processes from start to ready.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report as JSON.")
-def bench(engines: Path, tokens: int, text: str | None, stream: bool, runs: int, warmup: int,
+def bench(engines: Path | None, model_dir: Path | None, tokens: int, text: str | None, stream: bool, runs: int, warmup: int,
           threads: int | None, no_cold_start: bool, json_out: Path | None) -> None:
     """Time LLM prefill/decode, flow, HiFT, RTF, first audio, cold start and peak RSS of an engines directory."""
     import json
@@ -414,10 +553,14 @@ def bench(engines: Path, tokens: int, text: str | None, stream: bool, runs: int,
 
     options = BenchOptions(tokens=tokens, text=text, stream=stream, runs=runs, warmup=warmup, threads=threads,
                            cold_start=not no_cold_start)
-    report = run_bench(engines, options, progress=_progress)
+    report = run_bench(_engines_or_model_dir(engines, model_dir), options, progress=_progress)
     click.echo(format_bench(report))
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+for _command in main.commands.values():  # keep last: after every command is defined
+    _add_verbose_option(_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

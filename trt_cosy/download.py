@@ -86,34 +86,120 @@ def _is_complete(release: Path) -> bool:
     return all((release / name).is_file() for name in _RELEASE_FILES)
 
 
+class _Unreachable(OSError):
+    """The source's host did not answer a connection (no network, DNS, firewall)."""
+
+
+_PROBE_TIMEOUT_S: Final = 5.0
+_HOSTS: Final = {  # (environment variable that relocates the hub, default address)
+    "huggingface": ("HF_ENDPOINT", "https://huggingface.co"),
+    "modelscope": ("MODELSCOPE_DOMAIN", "www.modelscope.cn"),
+}
+_CLIENTS: Final = {"huggingface": "huggingface_hub", "modelscope": "modelscope"}
+_PROXY_VARIABLES: Final = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _probe(source: str) -> None:
+    """Fail within seconds when ``source``'s host cannot be reached (modelscope alone would retry for
+    half a minute). Skipped behind a proxy, where only the hub client knows the way."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return
+    variable, default = _HOSTS[source]
+    address = os.environ.get(variable) or default
+    parts = urlsplit(address if "//" in address else f"https://{address}")
+    host, port = parts.hostname, parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise _Unreachable(f"cannot reach {host}:{port}: {exc}") from exc
+
+
+def _check_client(source: str) -> None:
+    """Raise MissingDependencyError when ``source``'s client is not installed, without importing it
+    (``import modelscope`` alone takes seconds, and it waits on the network when there is none)."""
+    import importlib.util
+
+    module = _CLIENTS[source]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        found = False
+    if not found:
+        require(module, "download")  # raises, naming the extra (or imports what find_spec missed)
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    """True for the failures of an unreachable hub (each client has its own classes for them)."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    network = {"ConnectionError", "ConnectError", "Timeout", "TimeoutError", "TimeoutException",
+               "LocalEntryNotFoundError", "ProxyError", "gaierror"}
+    return isinstance(exc, (_Unreachable, ConnectionError, TimeoutError)) or bool(names & network)
+
+
+def _offline_hint(repo: str, source: str) -> str:
+    return (
+        f"Without network access, download the release on another machine (`trt-cosy download`, or "
+        f"`git lfs install && git clone {_WEB[source]}{repo}`: the checkpoints are git-lfs files, a clone "
+        "without git-lfs has only pointers), copy it here and pass --model-dir DIR. To try trt-cosy offline "
+        "meanwhile: `trt-cosy make-test-model --out models/tiny` writes a random-weight model (noise-like "
+        "audio; needs the [build] extra), then `trt-cosy say ... --model-dir models/tiny`."
+    )
+
+
 def download_model(
-    name: str = DEFAULT_MODEL, source: str = "huggingface", target: Path | None = None
+    name: str = DEFAULT_MODEL,
+    source: str = "huggingface",
+    target: Path | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Fetch a release (only the files inference needs) into ``target`` and return it.
 
     ``target`` defaults to ``<cache>/models/<name>``; a complete release already there is reused.
+    When ``source`` cannot be reached, a known model (``CosyVoice2-0.5B``) is tried from the other
+    source (``progress`` says so). A folder this call created is removed again when nothing could be
+    downloaded into it.
 
     Raises:
         InputError: unknown model or source.
         MissingDependencyError: huggingface_hub / modelscope is not installed.
-        TrtCosyError: the download failed (no network...): the message says how to download by hand.
+        TrtCosyError: the download failed (no network...): the message says how to go on offline.
     """
     repo = _repo_id(name, source)
     target = Path(target) if target is not None else cache_root() / "models" / repo.rsplit("/", 1)[-1]
     if _is_complete(target):
         _LOGGER.info("release %s already in %s", repo, target)
         return target
-    target.mkdir(parents=True, exist_ok=True)
+    # A repository id names one source's repository; a known name has one on each source.
+    sources = [source] + ([other for other in SOURCES if other != source] if "/" not in name else [])
+    created = not target.exists()
+    failures: list[str] = []
     try:
-        _fetch(repo, source, target)
-    except TrtCosyError:
+        for index, current in enumerate(sources):
+            current_repo = _repo_id(name, current)
+            try:
+                _check_client(current)  # a missing client is said before any network wait
+                _probe(current)
+                target.mkdir(parents=True, exist_ok=True)
+                _fetch(current_repo, current, target)
+                break
+            except Exception as exc:  # network, HTTP and hub errors have no common base class
+                failures.append(f"{current} ({type(exc).__name__}: {exc})")
+                if index + 1 < len(sources) and _is_network_error(exc):
+                    if progress is not None:
+                        progress(f"could not reach {current} ({exc}); trying {sources[index + 1]}")
+                    continue
+                if isinstance(exc, TrtCosyError) and len(failures) == 1:
+                    raise
+                raise TrtCosyError(
+                    f"could not download {name} from {'; '.join(failures)}. {_offline_hint(repo, source)}"
+                ) from exc
+    except BaseException:
+        if created:
+            _remove_if_empty(target)
         raise
-    except Exception as exc:  # network, HTTP and hub errors have no common base class
-        raise TrtCosyError(
-            f"could not download {repo} from {source} ({type(exc).__name__}: {exc}). Without network access, "
-            f"download the release by hand (e.g. `git clone {_WEB[source]}{repo}` on another machine), copy it "
-            "here and pass --model-dir DIR."
-        ) from exc
     missing = [name for name in _RELEASE_FILES if not (target / name).is_file()]
     if missing:
         raise ModelDirError(
@@ -135,6 +221,14 @@ def _fetch(repo: str, source: str, target: Path) -> None:
         snapshot_download(repo, local_dir=str(target), allow_patterns=list(_ALLOW_PATTERNS))
     except TypeError:  # modelscope releases before allow_patterns / local_dir
         snapshot_download(repo, local_dir=str(target))
+
+
+def _remove_if_empty(target: Path) -> None:
+    """Remove ``target`` when it holds no file of a release (only the hub clients' bookkeeping)."""
+    import shutil
+
+    if target.is_dir() and not any(path.is_file() and ".cache" not in path.parts for path in target.rglob("*")):
+        shutil.rmtree(target, ignore_errors=True)
 
 
 def _checkpoint_key(model_dir: Path) -> str:

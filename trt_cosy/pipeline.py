@@ -338,6 +338,8 @@ class Request:
                 is_last=is_last,
                 timings=timings,
                 text=self.segments[index].text,
+                segment=index,
+                segments=len(self.segments),
             )
             count += 1
             if plan.final:

@@ -151,6 +151,8 @@ class AudioChunk:
             the request's time to first audio; ``elapsed_s``: since the request started; ``rtf``:
             ``elapsed_s`` / audio so far in the request (the request's RTF on its last chunk).
         text: the normalised text segment this chunk speaks.
+        segment: the position of that text segment in the request, from 0.
+        segments: how many text segments the request has.
     """
 
     samples: np.ndarray
@@ -159,6 +161,8 @@ class AudioChunk:
     is_last: bool
     timings: Mapping[str, float] = field(default_factory=dict)
     text: str = ""
+    segment: int = 0
+    segments: int = 1
 
     @property
     def duration(self) -> float:

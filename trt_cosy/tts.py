@@ -147,6 +147,13 @@ class CosyVoice:
         )
         return cls(model, tokenizer, builder, normalizer, config, speakers)
 
+    def __repr__(self) -> str:
+        return (
+            f"CosyVoice(model_id={self.model_id!r}, family={self.family!r}, "
+            f"backend={getattr(self.model, 'backend', '?')!r}, sample_rate={self.sample_rate}, "
+            f"speakers={len(self.speakers)})"
+        )
+
     @property
     def sample_rate(self) -> int:
         """Output sample rate in Hz (24000 for CosyVoice2/3, 22050 for CosyVoice 1)."""
@@ -221,7 +228,7 @@ class CosyVoice:
         seed: int | None = None,
         config: SynthesisConfig | None = None,
     ) -> Iterator[AudioChunk]:
-        """Speak ``text`` in ``voice``: one ``AudioChunk`` per sentence segment, or several with
+        """Speak ``text`` in ``voice``: one ``AudioChunk`` per text segment, or several with
         ``config.stream`` (the official streaming schedule: first audio after ~1 s of speech).
 
         The text and voice are checked at once (``InputError`` with what to do); the models are
@@ -231,7 +238,8 @@ class CosyVoice:
         once; the same seed gives the same audio whatever else runs.
 
         Args:
-            text: what to say; it is normalised and split into sentences as the official frontend does.
+            text: what to say; it is normalised, split into sentences and merged into segments as the
+                official frontend does (``AudioChunk.segment`` / ``segments`` say where a chunk belongs).
             voice: from ``voice_from_wav`` or ``Voice.load``, made for this model; or the name of a
                 preset speaker (``speakers``; CosyVoice-300M-SFT/-Instruct).
             seed: the same seed gives the same audio; None draws fresh entropy.

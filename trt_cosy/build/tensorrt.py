@@ -50,6 +50,7 @@ from ..runtime.trt import (
     current_system,
     load_tensorrt,
     plan_mismatch,
+    shared_runtime,
     trt_logger,
 )
 
@@ -197,13 +198,15 @@ def build_plans(
     force: bool = False,
     timing_cache: Path | None = None,
     workspace_bytes: int | None = None,
+    slots: int = 1,
     progress: Progress | None = None,
 ) -> dict[str, PlanRecord]:
     """Build (or keep, when current) ``plans/<graph>.plan`` for every graph of a prepared engines dir.
 
     Needs an NVIDIA GPU, tensorrt and cuda-python; not torch or onnx. Without them raises
     ``MissingDependencyError`` saying that plans need TensorRT. ``timing_cache`` defaults to
-    ``plans/timing.cache`` and is loaded before and saved after every plan.
+    ``plans/timing.cache`` and is loaded before and saved after every plan. ``slots``: how many
+    execution contexts may run each plan at once (the plan holds its profiles once per slot).
     """
     engines_dir = Path(engines_dir)
     emit = _emitter(progress)
@@ -226,6 +229,7 @@ def build_plans(
             plan=f"{name}.plan",
             system=system,
             trt_cosy_version=__version__,
+            slots=max(1, int(slots)),
         )
         old = _read_record(plans_dir / f"{name}.json")
         reason = "forced" if force else _stale_reason(old, record, plans_dir)
@@ -239,6 +243,7 @@ def build_plans(
                 profiles[name],
                 cache_path,
                 workspace_bytes=workspace_bytes,
+                slots=record.slots,
                 trt=trt,
                 progress=emit,
             )
@@ -252,6 +257,8 @@ def _stale_reason(old: PlanRecord | None, new: PlanRecord, plans_dir: Path) -> s
         return "no plan yet"
     if not (plans_dir / (old.plan or "")).is_file():
         return "plan file missing"
+    if old.slots != new.slots:
+        return f"built for {old.slots} slot(s), {new.slots} wanted"
     return plan_mismatch(
         old,
         new.system or {},
@@ -269,42 +276,95 @@ def build_plan(
     timing_cache: Path | None = None,
     *,
     workspace_bytes: int | None = None,
+    slots: int = 1,
     trt: Any = None,
     progress: Progress | None = None,
 ) -> Path:
     """Parse ``onnx_path`` into a strongly typed network, add ``profiles``, build, write ``plan_path`` atomically.
 
-    Parser errors are raised (``TrtCosyError`` listing each), never printed and dropped. The timing
-    cache is read from and written back to ``timing_cache`` when given.
+    The profiles are added once per slot (slot k uses profiles k·P … k·P + P − 1): execution
+    contexts in concurrent use must use separate profiles (``NvInferRuntime.h``, ``IExecutionContext``).
+    Parser errors, a rejected profile and graph inputs that the profiles do not name (or that
+    TensorRT dropped from the plan because nothing uses them) raise ``TrtCosyError`` before a plan
+    is written, so a plan the runtime would refuse is never written. The timing cache is read from
+    and written back to ``timing_cache`` when given.
     """
     trt = trt or load_tensorrt()
     emit = _emitter(progress)
     start = time.perf_counter()
-    logger = trt_logger(trt)
-    builder = trt.Builder(logger)
+    builder = trt.Builder(trt_logger(trt))
     network = builder.create_network(_strongly_typed_flags(trt))
-    parser = trt.OnnxParser(network, logger)
+    parser = trt.OnnxParser(network, trt_logger(trt))
     if not parser.parse_from_file(str(onnx_path)):
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         raise TrtCosyError(
             f"TensorRT could not parse {onnx_path}: " + "; ".join(errors or ["no parser message"])
         )
+    network_inputs = [network.get_input(i).name for i in range(network.num_inputs)]
+    _check_inputs(onnx_path, "the parsed network", network_inputs, profiles)
     config = builder.create_builder_config()
     if workspace_bytes:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     cache = _load_timing_cache(config, timing_cache)
-    for profile in profiles.profiles:
-        config.add_optimization_profile(profile.to_trt(builder))
+    _add_profiles(builder, config, profiles, max(1, int(slots)), onnx_path)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise TrtCosyError(
             f"TensorRT failed to build a plan from {onnx_path} (see the TensorRT errors logged above)."
         )
+    _check_plan_inputs(trt, serialized, onnx_path, profiles)
     _write_bytes_atomic(Path(plan_path), memoryview(serialized))
     if timing_cache is not None and cache is not None:
         _write_bytes_atomic(Path(timing_cache), memoryview(config.get_timing_cache().serialize()))
     emit(f"{Path(plan_path).name}: built in {time.perf_counter() - start:.0f} s")
     return Path(plan_path)
+
+
+def _add_profiles(builder: Any, config: Any, profiles: GraphProfiles, slots: int, onnx_path: Path) -> None:
+    """Add every profile once per slot; TensorRT returns -1 for a profile it rejects (``NvInfer.h``,
+    ``IBuilderConfig::addOptimizationProfile``) and the binding raises on inconsistent shapes."""
+    for slot in range(slots):
+        for local, profile in enumerate(profiles.profiles):
+            expected = slot * len(profiles.profiles) + local
+            try:
+                index = config.add_optimization_profile(profile.to_trt(builder))
+            except (
+                RuntimeError
+            ) as exc:  # IOptimizationProfile.set_shape: "Shape provided ... is inconsistent"
+                raise TrtCosyError(f"{onnx_path}: TensorRT rejects profile '{profile.name}': {exc}") from exc
+            if index != expected:
+                raise TrtCosyError(
+                    f"{onnx_path}: TensorRT rejected profile '{profile.name}' (slot {slot}: "
+                    f"add_optimization_profile returned {index}, expected {expected}); its shapes do not fit "
+                    "the graph's inputs. Fix the profiles (runtime/profiles.py) for this graph."
+                )
+
+
+def _check_inputs(onnx_path: Path, where: str, inputs: list[str], profiles: GraphProfiles) -> None:
+    named = set(profiles.input_names)
+    if set(inputs) == named:
+        return
+    dropped, unnamed = sorted(named - set(inputs)), sorted(set(inputs) - named)
+    hint = (
+        f" TensorRT drops graph inputs that nothing uses: {dropped} must feed the graph's outputs, or leave "
+        "the graph contract and the profiles."
+        if dropped
+        else ""
+    )
+    raise TrtCosyError(
+        f"{onnx_path}: {where} has inputs {sorted(inputs)}, the profiles name {sorted(named)} "
+        f"(missing {dropped}, unnamed {unnamed}).{hint} The runtime would refuse this plan."
+    )
+
+
+def _check_plan_inputs(trt: Any, serialized: Any, onnx_path: Path, profiles: GraphProfiles) -> None:
+    """The built plan's inputs, as the runtime will see them (unused inputs are gone by now)."""
+    engine = shared_runtime(trt).deserialize_cuda_engine(serialized)
+    if engine is None:
+        raise TrtCosyError(f"TensorRT cannot load the plan it just built from {onnx_path}.")
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+    _check_inputs(onnx_path, "the built plan", inputs, profiles)
 
 
 def _strongly_typed_flags(trt: Any) -> int:
@@ -379,11 +439,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("engines_dir", type=Path)
     parser.add_argument("--force", action="store_true", help="rebuild every plan")
     parser.add_argument("--workspace-mb", type=int, default=None, help="TensorRT workspace limit")
+    parser.add_argument(
+        "--slots", type=int, default=1, help="execution contexts that may run each plan at once (default 1)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     workspace = args.workspace_mb * 2**20 if args.workspace_mb else None
     try:
-        build_plans(args.engines_dir, force=args.force, workspace_bytes=workspace, progress=print)
+        build_plans(
+            args.engines_dir, force=args.force, workspace_bytes=workspace, slots=args.slots, progress=print
+        )
     except TrtCosyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

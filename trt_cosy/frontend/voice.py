@@ -97,6 +97,16 @@ class Voice:
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays
 
+    def __repr__(self) -> str:
+        """One line: mode, transcript, prompt length and model (never the arrays)."""
+        tokens = self.speech_tokens.shape[0]
+        mode = "zero-shot" if self.prompt_text_ids.size else "cross-lingual" if tokens else "preset speaker"
+        text = self.prompt_text if len(self.prompt_text) <= 40 else self.prompt_text[:37] + "..."
+        return (
+            f"Voice({mode}, prompt_text={text!r}, {tokens} prompt tokens, "
+            f"{self.prompt_mel.shape[0]} mel frames at {self.sample_rate} Hz, model_id={self.model_id!r})"
+        )
+
     def save(self, path: str | Path) -> Path:
         """Write the voice to ``path`` as one ``.npz``, atomically (temp file + rename). Returns the path."""
         path = Path(path)
@@ -141,7 +151,13 @@ class Voice:
                 arrays = {key: archive[key] for key in _ARRAY_DTYPES}
         except (OSError, ValueError, KeyError, AttributeError, TypeError, zipfile.BadZipFile) as exc:
             # np.load returns a bare array for .npy files (no context manager: AttributeError/TypeError).
-            raise InputError(f"{path} {_NOT_A_VOICE} ({type(exc).__name__}: {exc}).") from exc
+            # numpy's own words for pickled content suggest allow_pickle=True, which runs code: never.
+            detail = (
+                "it holds pickled Python objects, which trt-cosy never loads"
+                if "pickle" in str(exc)
+                else f"{type(exc).__name__}: {exc}"
+            )
+            raise InputError(f"{path} {_NOT_A_VOICE} ({detail}).") from exc
         return cls._from_parts(path, header, arrays)
 
     @classmethod

@@ -57,8 +57,9 @@ def bindings() -> Any:
             from cuda.bindings import runtime
         except ImportError as exc:
             raise MissingDependencyError(
-                f"cuda-python is not installed ({exc}). Install it with: pip install 'trt-cosy[gpu]' "
-                "(on a machine with an NVIDIA GPU)."
+                f"cuda-python is not installed or too old ({exc}; cuda.bindings needs cuda-python >= 12.6.1). "
+                "Install it with: pip install 'trt-cosy[gpu]' (CUDA 13 drivers, >= 580) or "
+                "'trt-cosy[gpu-cu12]' (CUDA 12 drivers) on a machine with an NVIDIA GPU."
             ) from exc
         _BINDINGS = runtime
     return _BINDINGS
@@ -110,8 +111,33 @@ def cuda_unavailable_reason() -> str | None:
     err, count = runtime.cudaGetDeviceCount()
     if int(err) != 0 or not count:
         name, _ = _error_name(err) if int(err) != 0 else ("no device", "")
+        if name == "cudaErrorInsufficientDriver":
+            return f"no CUDA device ({name}: {_driver_hint(runtime)})"
         return f"no CUDA device ({name})"
     return None
+
+
+def _driver_hint(runtime: Any) -> str:
+    """What cudaErrorInsufficientDriver means here: the driver is older than cuda-python's CUDA."""
+    try:
+        err, version = runtime.cudaDriverGetVersion()  # the newest CUDA the driver supports; 0: none
+        driver = (
+            f"CUDA {int(version) // 1000}.{int(version) % 1000 // 10}" if int(err) == 0 and version else None
+        )
+    except Exception:  # the question is only for the message
+        driver = None
+    try:
+        from importlib.metadata import version as package_version
+
+        bindings_version = package_version("cuda-python")
+    except Exception:
+        bindings_version = "?"
+    found = f"this driver supports {driver}" if driver else "no usable NVIDIA driver was found"
+    return (
+        f"{found}; cuda-python {bindings_version} needs a driver for its CUDA major version: CUDA 13 "
+        "(cuda-python 13.x, TensorRT cu13 wheels) needs driver >= 580, CUDA 12 needs >= 525. With an "
+        "R525-R575 driver install the CUDA 12 build: pip install 'trt-cosy[gpu-cu12]'"
+    )
 
 
 def gpu_unavailable_reason() -> str | None:

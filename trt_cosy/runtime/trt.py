@@ -8,17 +8,23 @@ is how the CPU tests drive its bookkeeping with fakes.
 Hot path (house style P6/P7): ``set_shapes`` picks the optimization profile and sets input shapes
 (only those that changed) and returns the output shapes, allocating nothing; ``enqueue`` binds the
 slot's preallocated device buffers (``set_tensor_address`` only when a pointer changed) and calls
-``execute_async_v3`` on the slot's stream, returning at once. Device buffers are sized at load from
-the profile maxima and only ever grow; host staging buffers are pinned. ``infer`` (the Runner
-interface) is set_shapes + copy in + enqueue + copy out + one stream synchronize, on a free slot.
+``execute_async_v3`` on the slot's stream (the stream its profile was switched on), returning at
+once. I/O buffers are sized at load from the profile maxima and never move afterwards; host staging
+buffers are pinned. ``infer`` (the Runner interface) is set_shapes + copy in + enqueue + copy out +
+one stream synchronize, on a free slot.
 
-Concurrency: each slot owns its context, stream and buffers; ``infer`` takes a free slot from a
-queue, so several threads may share one runner (one request per slot at a time).
+Concurrency: each slot owns its context, stream, buffers and activation memory; ``infer`` takes a
+free slot from a queue, so several threads may share one runner (one request per slot at a time).
+Contexts in concurrent use must use separate optimization profiles (``NvInferRuntime.h``,
+``class IExecutionContext``), so a plan built for S slots holds its P profiles S times and slot k
+uses profiles k·P … k·P + P − 1 (``build.tensorrt.build_plan(slots=S)``). Activation memory is
+user-managed (``ExecutionContextAllocationStrategy.USER_MANAGED``): each slot holds one grow-only
+block sized by ``get_device_memory_size_for_profile_v2`` for the largest profile it has selected,
+so a slot that only ever streams never reserves the activations of the long profile.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
@@ -30,9 +36,18 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EngineMismatchError, InputError, MissingDependencyError, TrtCosyError, require
-from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream, gpu_unavailable_reason
+from ..errors import EngineMismatchError, InputError, TrtCosyError
+from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream
 from .profiles import PROFILES_NAME, GraphProfiles, read_profiles
+from .trt_plans import (
+    PLANS_DIR,
+    TENSOR_ALIGNMENT,
+    PlanRecord,
+    checkpoint_digest,
+    current_system,
+    plan_mismatch,
+)
+from .trt_shared import load_tensorrt, shared_runtime, trt_logger
 
 __all__ = [
     "PLANS_DIR",
@@ -45,113 +60,11 @@ __all__ = [
     "load_plan_runners",
     "trt_logger",
     "load_tensorrt",
+    "shared_runtime",
+    "TENSOR_ALIGNMENT",
 ]
 
 _LOGGER = logging.getLogger(__name__)
-
-PLANS_DIR = "plans"  # per GPU and TensorRT version: <graph>.plan, <graph>.json, timing.cache
-
-
-def load_tensorrt() -> Any:
-    """Import tensorrt after checking a GPU is usable; else ``MissingDependencyError`` with the reason."""
-    reason = gpu_unavailable_reason()
-    if reason is not None:
-        raise MissingDependencyError(
-            f"TensorRT cannot run here: {reason}. TensorRT plans need an NVIDIA GPU with tensorrt and "
-            "cuda-python (pip install 'trt-cosy[gpu]'); use the onnxruntime backend elsewhere."
-        )
-    return require("tensorrt", "gpu")
-
-
-def trt_logger(trt: Any) -> Any:
-    """A ``trt.ILogger`` that forwards TensorRT's messages to this module's logger."""
-
-    class _Bridge(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-
-        def log(self, severity: Any, msg: str) -> None:
-            severities = trt.ILogger.Severity
-            if severity in (severities.INTERNAL_ERROR, severities.ERROR):
-                _LOGGER.error("TensorRT: %s", msg)
-            elif severity == severities.WARNING:
-                _LOGGER.warning("TensorRT: %s", msg)
-            else:
-                _LOGGER.debug("TensorRT: %s", msg)
-
-    return _Bridge()
-
-
-@dataclass(frozen=True)
-class PlanRecord:
-    """``plans/<graph>.json``: what a plan was built from and for (house style P8)."""
-
-    graph: str
-    onnx: str
-    onnx_sha256: str
-    precision: str
-    checkpoint: str  # checkpoint_digest() of the release files' sha256
-    profiles: dict[str, Any]  # GraphProfiles.to_dict()
-    plan: str | None = None
-    system: dict[str, str] | None = None  # current_system(): gpu, compute_capability, tensorrt
-    trt_cosy_version: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> PlanRecord:
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
-
-
-def checkpoint_digest(hashes: Mapping[str, str]) -> str:
-    """One sha256 over a release's per-file sha256 (``manifest.hash_checkpoint``)."""
-    text = json.dumps(dict(sorted(hashes.items())), separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def current_system(trt: Any, device: int = 0) -> dict[str, str]:
-    """What a plan is tied to: GPU name, compute capability and TensorRT version."""
-    from .cuda import device_info
-
-    info = device_info(device)
-    return {
-        "gpu": info["name"],
-        "compute_capability": info["compute_capability"],
-        "tensorrt": str(trt.__version__),
-    }
-
-
-def plan_mismatch(
-    record: PlanRecord,
-    system: Mapping[str, str],
-    *,
-    checkpoint: str | None = None,
-    precision: str | None = None,
-    profiles: Mapping[str, Any] | None = None,
-    onnx_sha256: str | None = None,
-) -> str | None:
-    """Why ``record``'s plan must not run on ``system`` with these inputs, or None when it may."""
-    built = record.system or {}
-    if not built:
-        return "no plan was built (--onnx-only)"
-    for key, label in (
-        ("gpu", "GPU"),
-        ("compute_capability", "compute capability"),
-        ("tensorrt", "TensorRT"),
-    ):
-        if str(built.get(key)) != str(system.get(key)):
-            return f"built for {label} {built.get(key)}, this is {system.get(key)}"
-    checks = (
-        ("checkpoint", checkpoint, record.checkpoint),
-        ("precision", precision, record.precision),
-        ("profiles", profiles, record.profiles),
-        ("ONNX graph", onnx_sha256, record.onnx_sha256),
-    )
-    for label, wanted, found in checks:
-        if wanted is not None and wanted != found:
-            return f"the {label} changed since the plan was built"
-    return None
 
 
 def load_plan_runners(
@@ -178,6 +91,12 @@ def load_plan_runners(
                 f"TensorRT plan for '{name}' in {engines_dir} is stale: {reason}. Rebuild it: "
                 f"run `trt-cosy build --backend tensorrt --out {engines_dir}`."
             )
+        if plan_mismatch(record, system, slots=slots) is not None:
+            raise EngineMismatchError(
+                f"TensorRT plan for '{name}' in {engines_dir} was built for {record.slots} concurrent "
+                f"slot(s), {slots} asked for. Use fewer slots or rebuild the plans: run "
+                f"`python -m trt_cosy.build.tensorrt {engines_dir} --slots {slots}`."
+            )
         runners[name] = TrtRunner.from_plan(
             engines_dir / PLANS_DIR / str(record.plan), name, graph, slots=slots
         )
@@ -193,10 +112,18 @@ class TensorInfo:
     dtype: np.dtype
 
 
-def _engine_io(engine: Any, trt: Any) -> list[TensorInfo]:
+def _engine_io(engine: Any, trt: Any, graph: str) -> list[TensorInfo]:
     infos = []
     for index in range(engine.num_io_tensors):
         name = engine.get_tensor_name(index)
+        if engine.is_shape_inference_io(name):
+            # Shape tensors are read from host memory (IExecutionContext::setTensorAddress, kHOST);
+            # every tensor here is bound in device memory.
+            raise TrtCosyError(
+                f"TensorRT plan of '{graph}' has the shape tensor '{name}' (its values decide other tensors' "
+                "shapes, so TensorRT wants it in host memory); trt-cosy binds all I/O in device memory. "
+                f"Export the graph so that '{name}' is an ordinary data tensor, then rebuild the engines."
+            )
         is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
         infos.append(TensorInfo(name, is_input, np.dtype(trt.nptype(engine.get_tensor_dtype(name)))))
     return infos
@@ -209,6 +136,10 @@ def _nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
     return count * dtype.itemsize
 
 
+def _dims(value: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in value)
+
+
 @dataclass
 class _Slot:
     """One concurrent user of the engine: its context, stream, buffers and what was last set."""
@@ -216,9 +147,13 @@ class _Slot:
     index: int
     context: Any
     stream: Stream
+    first_profile: int  # the engine profile of this slot's local profile 0 (index · profiles per slot)
+    workspace: DeviceBuffer  # the context's activation memory (USER_MANAGED), grow-only
+    retired: list[tuple[DeviceBuffer, Event]] = field(default_factory=list)  # outgrown, maybe in use
+    memory_given: bool = False  # set_device_memory has been called
     device: dict[str, DeviceBuffer] = field(default_factory=dict)
     host: dict[str, PinnedBuffer] = field(default_factory=dict)
-    profile: int = -1
+    profile: int = -1  # local profile index (into GraphProfiles.profiles)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     addresses: dict[str, int] = field(default_factory=dict)
     output_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -228,8 +163,8 @@ class TrtRunner:
     """A ``Runner`` over a TensorRT engine (see the module docstring for the hot-path contract).
 
     Output-buffer contract: ``infer`` returns fresh arrays owned by the caller. ``device_tensor``
-    exposes a slot's device buffers for stage-to-stage hand-off without host copies; those stay
-    valid until the slot's next ``enqueue``.
+    exposes a slot's device buffers for stage-to-stage hand-off without host copies; their pointers
+    never change after load, and their contents stay valid until the slot's next ``enqueue``.
     """
 
     def __init__(
@@ -243,18 +178,21 @@ class TrtRunner:
         keep_alive: Any = None,
     ):
         self.name, self.engine, self.profiles, self._trt = name, engine, profiles, trt
-        self._keep_alive = keep_alive  # the trt.Runtime (and its logger) must outlive the engine
-        self._io = {info.name: info for info in _engine_io(engine, trt)}
-        self._check_profiles()
+        self._keep_alive = keep_alive  # e.g. the plan's bytes' owner; the trt.Runtime is process-wide
+        self._io = {info.name: info for info in _engine_io(engine, trt, name)}
+        count = max(1, int(slots))
+        self._check_profiles(count)
+        per_slot = len(profiles.profiles)
+        self._workspace_need = [self._workspace_size(index) for index in range(count * per_slot)]
         sizes = self._max_bytes()
-        self._slots = [self._make_slot(i, sizes) for i in range(max(1, int(slots)))]
+        self._slots = [self._make_slot(i, sizes) for i in range(count)]
         self._free: queue.Queue[_Slot] = queue.Queue()
         for slot in self._slots:
             self._free.put(slot)
 
     @classmethod
     def from_plan(cls, path: str | Path, name: str, profiles: GraphProfiles, slots: int = 1) -> TrtRunner:
-        """Deserialize a plan written by ``trt-cosy build --backend tensorrt``."""
+        """Deserialize a plan written by ``trt-cosy build --backend tensorrt`` (``slots`` ≤ the plan's)."""
         trt = load_tensorrt()
         path = Path(path)
         if not path.is_file():
@@ -262,15 +200,13 @@ class TrtRunner:
                 f"TensorRT plan {path} for graph '{name}' does not exist. Rebuild it with "
                 "`trt-cosy build --backend tensorrt`."
             )
-        logger = trt_logger(trt)
-        runtime = trt.Runtime(logger)
-        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        engine = shared_runtime(trt).deserialize_cuda_engine(path.read_bytes())
         if engine is None:
             raise EngineMismatchError(
                 f"TensorRT could not load {path} (built by another TensorRT version or for another GPU?). Rebuild "
                 "it with `trt-cosy build --backend tensorrt`."
             )
-        return cls(engine, name, profiles, trt=trt, slots=slots, keep_alive=(runtime, logger))
+        return cls(engine, name, profiles, trt=trt, slots=slots)
 
     # -- Runner interface -------------------------------------------------------------------------
 
@@ -315,29 +251,27 @@ class TrtRunner:
     def set_shapes(self, shapes: Mapping[str, Sequence[int]], slot: int = 0) -> dict[str, tuple[int, ...]]:
         """Select the profile and set the input shapes that changed; return every output's shape.
 
-        Inputs beyond the largest profile raise ``InputError`` before TensorRT sees them. Allocates nothing.
+        Inputs beyond the largest profile raise ``InputError`` before TensorRT sees them. Allocates nothing,
+        except the first time the slot selects a profile that needs more activation memory than it holds.
         """
         state = self._slots[slot]
+        if state.retired:
+            self._release_retired(state)
         missing = [n for n in self.input_names if n not in shapes]
         if missing:
             raise InputError(f"graph '{self.name}' needs inputs {list(self.input_names)}; missing {missing}.")
         wanted = {n: tuple(int(d) for d in shapes[n]) for n in self.input_names}
         profile = self.profiles.select(wanted)
         if profile != state.profile:
-            self._call(
-                state.context.set_optimization_profile_async(profile, state.stream.ptr),
-                f"set optimization profile {profile}",
-            )
-            state.profile, state.shapes = profile, {}  # a profile switch invalidates every shape
+            self._switch_profile(state, profile)
         for name, shape in wanted.items():
             if state.shapes.get(name) != shape:
                 self._call(state.context.set_input_shape(name, shape), f"set input '{name}' to {shape}")
                 state.shapes[name] = shape
-        state.output_shapes = {
-            n: tuple(int(d) for d in state.context.get_tensor_shape(n)) for n in self.output_names
-        }
+        state.output_shapes = {n: _dims(state.context.get_tensor_shape(n)) for n in self.output_names}
         unresolved = {n: s for n, s in state.output_shapes.items() if any(d < 0 for d in s)}
         if unresolved:
+            state.shapes = {}  # set them again next time: TensorRT may have kept only part of them
             raise TrtCosyError(f"graph '{self.name}': TensorRT left output shapes unresolved {unresolved}.")
         return dict(state.output_shapes)
 
@@ -346,28 +280,35 @@ class TrtRunner:
         state = self._slots[slot]
         for name in self.input_names:
             array = np.ascontiguousarray(arrays[name], dtype=self._io[name].dtype)
-            self._ensure(state, name, array.nbytes)
+            self._check_room(state, name, array.nbytes)
             if array.nbytes:
                 state.host[name].view(array.dtype, array.shape)[...] = array
                 state.device[name].copy_from_async(state.host[name], array.nbytes, state.stream)
 
-    def enqueue(
-        self, slot: int = 0, stream: Stream | None = None, addresses: Mapping[str, int] | None = None
-    ) -> None:
-        """Launch the engine on ``stream`` (default: the slot's own) and return at once.
+    def enqueue(self, slot: int = 0, addresses: Mapping[str, int] | None = None) -> None:
+        """Launch the engine on the slot's stream and return at once.
 
-        ``addresses`` binds device pointers the caller owns (e.g. another stage's ``device_tensor``)
-        instead of the slot's buffers. Addresses are set only when they differ from the last launch.
+        The launch always goes to the stream the slot's profile was switched on: the header calls a
+        launch on an unsynchronised other stream undefined behaviour (``setOptimizationProfileAsync``).
+        Order other work with ``record``/``wait``. ``addresses`` binds device pointers the caller owns
+        (e.g. another stage's ``device_tensor``; 256-byte aligned) instead of the slot's buffers.
+        Addresses are set only when they differ from the last launch. Never allocates.
         """
         state = self._slots[slot]
         for name in self.output_names:
-            self._ensure(state, name, _nbytes(state.output_shapes[name], self._io[name].dtype))
+            self._check_room(state, name, _nbytes(state.output_shapes[name], self._io[name].dtype))
         for name in (*self.input_names, *self.output_names):
             ptr = int(addresses[name]) if addresses and name in addresses else state.device[name].ptr
+            if ptr % TENSOR_ALIGNMENT:
+                raise TrtCosyError(
+                    f"graph '{self.name}': the address bound to '{name}' ({ptr:#x}) is not "
+                    f"{TENSOR_ALIGNMENT}-byte aligned, as TensorRT requires; offset it by a multiple of "
+                    f"{TENSOR_ALIGNMENT} bytes."
+                )
             if state.addresses.get(name) != ptr:
                 self._call(state.context.set_tensor_address(name, ptr), f"bind '{name}'")
                 state.addresses[name] = ptr
-        self._call(state.context.execute_async_v3((stream or state.stream).ptr), "execute_async_v3")
+        self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
 
     def copy_outputs(self, slot: int = 0) -> dict[str, np.ndarray]:
         """Queue device -> pinned copies of every output; the views are valid after a synchronize."""
@@ -375,7 +316,7 @@ class TrtRunner:
         for name in self.output_names:
             shape, dtype = state.output_shapes[name], self._io[name].dtype
             nbytes = _nbytes(shape, dtype)
-            self._ensure(state, name, nbytes)
+            self._check_room(state, name, nbytes)
             if nbytes:
                 state.device[name].copy_to_async(state.host[name], nbytes, state.stream)
             views[name] = state.host[name].view(dtype, shape)
@@ -398,10 +339,25 @@ class TrtRunner:
     def stream(self, slot: int = 0) -> Stream:
         return self._slots[slot].stream
 
+    def device_memory(self) -> list[dict[str, int]]:
+        """Per slot (execution context), device bytes: ``activations`` held now, ``activations_max``
+        (the largest profile's need), ``io`` (the preallocated input/output buffers) and ``total``."""
+        per_slot = len(self.profiles.profiles)
+        report = []
+        for state in self._slots:
+            needs = self._workspace_need[state.first_profile : state.first_profile + per_slot]
+            io = sum(buffer.nbytes for buffer in state.device.values())
+            held = state.workspace.nbytes
+            report.append({"activations": held, "activations_max": max(needs), "io": io, "total": held + io})
+        return report
+
     def free(self) -> None:
         """Release every buffer and stream (the runner is unusable afterwards)."""
         for state in self._slots:
-            for buffer in (*state.device.values(), *state.host.values()):
+            state.stream.synchronize()  # queued launches may still use the memory below
+            state.context = None  # the context goes before the activation memory it was given
+            self._release_retired(state, wait=True)
+            for buffer in (*state.device.values(), *state.host.values(), state.workspace):
                 buffer.free()
             state.stream.free()
         self._slots = []
@@ -414,54 +370,157 @@ class TrtRunner:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _check_profiles(self) -> None:
-        count = int(self.engine.num_optimization_profiles)
-        if count != len(self.profiles.profiles):
-            raise EngineMismatchError(
-                f"TensorRT plan of '{self.name}' has {count} profiles, profiles.json lists "
-                f"{len(self.profiles.profiles)}. Rebuild with `trt-cosy build --backend tensorrt`."
-            )
+    def _check_profiles(self, slots: int) -> None:
+        """The plan must hold profiles.json's profiles once per slot (slot k: k·P … k·P + P − 1)."""
+        rebuild = "Rebuild the plans: run `python -m trt_cosy.build.tensorrt ENGINES_DIR --force`."
         if set(self.input_names) != set(self.profiles.input_names):
             raise EngineMismatchError(
                 f"TensorRT plan of '{self.name}' has inputs {sorted(self.input_names)}, the "
-                f"profiles name {sorted(self.profiles.input_names)}. Rebuild the engines."
+                f"profiles name {sorted(self.profiles.input_names)}. {rebuild}"
             )
+        total, per_slot = int(self.engine.num_optimization_profiles), len(self.profiles.profiles)
+        if total < per_slot or total % per_slot:
+            raise EngineMismatchError(
+                f"TensorRT plan of '{self.name}' has {total} profiles; profiles.json lists {per_slot} (a plan "
+                f"holds them once per slot). {rebuild}"
+            )
+        if slots > total // per_slot:
+            raise EngineMismatchError(
+                f"TensorRT plan of '{self.name}' was built for {total // per_slot} concurrent slot(s); {slots} "
+                "were asked for (contexts in concurrent use need separate profiles). Use fewer slots or "
+                f"rebuild: `python -m trt_cosy.build.tensorrt ENGINES_DIR --slots {slots}`."
+            )
+        for index in range(total):
+            profile = self.profiles.profiles[index % per_slot]
+            for name, expected in profile.shapes.items():
+                found = tuple(_dims(d) for d in self.engine.get_tensor_profile_shape(name, index))
+                if found != tuple(expected):
+                    raise EngineMismatchError(
+                        f"TensorRT plan of '{self.name}': profile {index} gives '{name}' min/opt/max {found}, "
+                        f"profiles.json's '{profile.name}' says {tuple(expected)}. {rebuild}"
+                    )
+
+    def _workspace_size(self, index: int) -> int:
+        size = int(self.engine.get_device_memory_size_for_profile_v2(index))
+        if size < 0:
+            raise TrtCosyError(
+                f"TensorRT reports no device memory size for profile {index} of '{self.name}'."
+            )
+        return size
 
     def _make_slot(self, index: int, sizes: Mapping[str, int]) -> _Slot:
-        context = self.engine.create_execution_context()
+        strategy = self._trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        context = self.engine.create_execution_context(strategy)
         if context is None:
             raise TrtCosyError(
                 f"TensorRT could not create execution context {index} for '{self.name}' "
                 "(out of device memory?). Use fewer slots."
             )
-        state = _Slot(index, context, Stream())
+        state = _Slot(index, context, Stream(), index * len(self.profiles.profiles), DeviceBuffer())
         for name, nbytes in sizes.items():
-            self._ensure(state, name, nbytes)
+            state.device[name], state.host[name] = DeviceBuffer(nbytes), PinnedBuffer(nbytes)
+        self._provide_workspace(state, 0)  # memory for the first profile before any profile is selected
         return state
 
-    def _max_bytes(self) -> dict[str, int]:
-        """Bytes per tensor at the profile maxima (outputs: shapes TensorRT reports for max inputs)."""
-        sizes = {n: _nbytes(s, self._io[n].dtype) for n, s in self.profiles.max_shapes().items()}
-        probe = self.engine.create_execution_context()  # a throwaway context: the slots start clean
-        with Stream() as stream:
-            for index, profile in enumerate(self.profiles.profiles):
-                probe.set_optimization_profile_async(index, stream.ptr)
-                for name, (_, _, high) in profile.shapes.items():
-                    probe.set_input_shape(name, high)
-                for name in self.output_names:
-                    shape = tuple(int(d) for d in probe.get_tensor_shape(name))
-                    sizes[name] = max(sizes.get(name, 0), _nbytes(shape, self._io[name].dtype))
-            stream.synchronize()
-        del probe
-        return sizes
+    def _provide_workspace(self, state: _Slot, profile: int) -> None:
+        """Grow the slot's activation memory to what ``profile`` needs and hand it to the context.
+
+        The old block may still be in use by launches queued on the slot's stream: it is retired with
+        an event and freed once that event has passed (``_release_retired``), never with a host sync.
+        """
+        need = self._workspace_need[state.first_profile + profile]
+        if state.memory_given and need <= state.workspace.nbytes:
+            return
+        if state.workspace.ptr:
+            state.retired.append((state.workspace, Event().record(state.stream)))
+        state.workspace = DeviceBuffer(need)  # need 0: a null pointer, which the header allows
+        state.context.set_device_memory(state.workspace.ptr, state.workspace.nbytes)
+        state.memory_given = True
+        _LOGGER.debug(
+            "%s slot %d: %.1f MiB of activation memory",
+            self.name,
+            state.index,
+            state.workspace.nbytes / 2**20,
+        )
 
     @staticmethod
-    def _ensure(state: _Slot, name: str, nbytes: int) -> None:
-        """Grow-only: (re)allocate the device and pinned buffers of ``name`` when too small."""
-        device = state.device.setdefault(name, DeviceBuffer())
-        if device.resize(nbytes):
-            state.addresses.pop(name, None)  # the pointer moved: bind again on the next enqueue
-        state.host.setdefault(name, PinnedBuffer()).resize(nbytes)
+    def _release_retired(state: _Slot, wait: bool = False) -> None:
+        """Free the activation blocks whose last launches have finished (all of them with ``wait``)."""
+        keep = []
+        for buffer, event in state.retired:
+            if wait or event.done():
+                buffer.free()
+                event.free()
+            else:
+                keep.append((buffer, event))
+        state.retired = keep
+
+    def _switch_profile(self, state: _Slot, profile: int) -> None:
+        self._provide_workspace(state, profile)
+        engine_profile = state.first_profile + profile
+        what = f"select optimization profile {engine_profile} ('{self.profiles.profiles[profile].name}')"
+        try:  # the binding raises RuntimeError where the C++ API returns false (pyCore.cpp)
+            ok = state.context.set_optimization_profile_async(engine_profile, state.stream.ptr)
+        except RuntimeError as exc:
+            state.profile = -1
+            raise TrtCosyError(f"TensorRT failed to {what} for graph '{self.name}': {exc}") from exc
+        self._call(ok, what)
+        # A profile switch invalidates the shapes; addresses are set again too (the header does not
+        # promise that they survive, and Polygraphy compares against get_tensor_address()).
+        state.profile, state.shapes, state.addresses = profile, {}, {}
+
+    def _max_bytes(self) -> dict[str, int]:
+        """Bytes per tensor at the profile maxima (outputs: shapes TensorRT reports for max inputs).
+
+        The probe context is USER_MANAGED: it only infers shapes (allowed before device memory is set,
+        ``IExecutionContext::updateDeviceMemorySizeForShapes``), so it reserves no activation memory.
+        """
+        sizes = {n: _nbytes(s, self._io[n].dtype) for n, s in self.profiles.max_shapes().items()}
+        strategy = self._trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        probe = self.engine.create_execution_context(strategy)
+        if probe is None:
+            raise TrtCosyError(f"TensorRT could not create an execution context for '{self.name}'.")
+        try:
+            with Stream() as stream:
+                for index, profile in enumerate(self.profiles.profiles):
+                    self._probe_profile(probe, stream, index, profile, sizes)
+                stream.synchronize()
+        finally:
+            del probe  # released before the slots select their profiles
+        return sizes
+
+    def _probe_profile(
+        self, probe: Any, stream: Stream, index: int, profile: Any, sizes: dict[str, int]
+    ) -> None:
+        where = f"TensorRT plan of '{self.name}', profile {index} ('{profile.name}')"
+        try:
+            ok = probe.set_optimization_profile_async(index, stream.ptr)
+        except RuntimeError as exc:
+            raise EngineMismatchError(f"{where} cannot be selected: {exc}. Rebuild the plans.") from exc
+        if ok is False:
+            raise EngineMismatchError(f"{where} cannot be selected. Rebuild the plans.")
+        for name, (_, _, high) in profile.shapes.items():
+            if not probe.set_input_shape(name, high):
+                raise EngineMismatchError(
+                    f"{where} rejects its own maximum shape {high} for '{name}': the plan does not match "
+                    "profiles.json. Rebuild the plans."
+                )
+        for name in self.output_names:
+            shape = _dims(probe.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                raise TrtCosyError(
+                    f"{where}: output '{name}' has shape {shape} at the maximum inputs; TensorRT cannot size "
+                    "it before running (data-dependent output shapes are not supported)."
+                )
+            sizes[name] = max(sizes.get(name, 0), _nbytes(shape, self._io[name].dtype))
+
+    def _check_room(self, state: _Slot, name: str, nbytes: int) -> None:
+        """Buffers never move after load (device pointers may be captured, e.g. by ``DeviceEulerLoop``)."""
+        if nbytes > state.device[name].nbytes:
+            raise TrtCosyError(
+                f"graph '{self.name}': '{name}' needs {nbytes} bytes, more than the {state.device[name].nbytes} "
+                "sized from the profile maxima at load. Rebuild the plans."
+            )
 
     def _prepare(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         arrays = {}

@@ -1,6 +1,6 @@
 """The HTTP server (``trt-cosy serve``): OpenAI-compatible speech, stored voices, health and metrics.
 
-Needs the ``serve`` extra (fastapi, uvicorn, python-multipart). ``create_app(tts, settings)``
+Needs the ``serve`` extra (fastapi, uvicorn, python-multipart, prometheus-client). ``create_app(tts, settings)``
 builds the app around a loaded ``CosyVoice``; ``run_server`` serves it with uvicorn.
 """
 

@@ -4,8 +4,9 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes: ``POST /v1/audio/speech`` (OpenAI), ``POST /tts``, ``GET /v1/models``,
-``GET/POST/DELETE /v1/voices``, ``GET /health``, ``GET /metrics``. Every error is a JSON body
-``{"error": {"message", "type", "param", "code"}}``.
+``GET/POST/DELETE /v1/voices``, ``GET /health``, ``GET /metrics`` and the web playground at ``GET /``.
+Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``. With
+``settings.api_key`` every route but ``/health`` and the page needs ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ import anyio
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import InputError
 from ..runtime.heap import return_large_blocks
 from ..synthesis import SynthesisConfig
+from .access_log import AccessLog
 from .audio_encoding import available_formats
-from .errors import APIError, error_body, validation_message
+from .auth import BearerAuth
+from .errors import RETRY_WARMING_S, APIError, error_body, validation_message
 from .limits import Admission, BodySizeLimit
-from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware, path_label
+from .metrics import Metrics, MetricsMiddleware, exposition_for, path_label
+from .playground import playground_router
 from .settings import ServerSettings
 from .speech import speech_router
 from .state import ServerState
@@ -94,17 +98,25 @@ def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
     app.include_router(speech_router(state))
     app.include_router(voices_router(state))
     _add_info_routes(app, state)
+    app.include_router(playground_router())
     upload_limit = settings.max_upload_bytes + _UPLOAD_SLACK
 
     def limit_for(path: str) -> int:
         return upload_limit if path.startswith("/v1/voices") else settings.max_json_bytes
 
     def refused(path: str) -> None:
-        metrics.errors.inc(path_label(path), "body_too_large")
+        metrics.errors.labels(path_label(path), "body_too_large").inc()
 
     app.add_middleware(BodySizeLimit, limit_for=limit_for, on_refused=refused)
     app.add_middleware(BodyReadTimeout, timeout_s=settings.body_timeout_s)
+    if settings.api_key is not None:  # before the body limit: a caller without the key gets 401, not 413
+
+        def unauthorized(path: str, code: str) -> None:
+            metrics.errors.labels(path_label(path), code).inc()
+
+        app.add_middleware(BearerAuth, api_key=settings.api_key, on_refused=unauthorized)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(AccessLog)
     return app
 
 
@@ -130,11 +142,16 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             )
         status = "failed" if state.warmup_error else "warming_up"
         message = state.warmup_error or "warming up"
-        return JSONResponse({"status": status, **error_body(503, message, status)}, status_code=503)
+        retry = {} if state.warmup_error else {"Retry-After": str(RETRY_WARMING_S)}
+        return JSONResponse(
+            {"status": status, **error_body(503, message, status)}, status_code=503, headers=retry
+        )
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        """Prometheus exposition (text 0.0.4, or OpenMetrics when the scraper's Accept asks for it)."""
+        body, content_type = exposition_for(state.metrics, request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -144,14 +161,19 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     def answer(
-        request: Request, status: int, message: str, code: str, param: str | None = None
+        request: Request,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> JSONResponse:
-        metrics.errors.inc(path_label(request.url.path), code)
-        return JSONResponse(error_body(status, message, code, param), status_code=status)
+        metrics.errors.labels(path_label(request.url.path), code).inc()
+        return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return answer(request, exc.status, exc.message, exc.code, exc.param)
+        return answer(request, exc.status, exc.message, exc.code, exc.param, exc.headers)
 
     @app.exception_handler(InputError)
     async def input_error(request: Request, exc: InputError) -> JSONResponse:

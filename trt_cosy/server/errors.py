@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Final
 
-__all__ = ["APIError", "error_body", "error_bytes", "validation_message"]
+__all__ = ["APIError", "error_body", "error_bytes", "validation_message", "RETRY_BUSY_S", "RETRY_WARMING_S"]
 
 _LOGGER = logging.getLogger(__name__)
+
+RETRY_BUSY_S: Final = 2
+"""``Retry-After`` of a 429 or a queue timeout: every slot is taken now; one frees within seconds."""
+RETRY_WARMING_S: Final = 5
+"""``Retry-After`` while the server warms up (one short synthesis of each kind)."""
 
 _TYPES = {
     400: "invalid_request_error",
@@ -29,14 +35,23 @@ class APIError(Exception):
         message: what went wrong and what to do.
         code: a stable machine-readable code (``"voice_not_found"``).
         param: the request field at fault, if one is.
+        headers: extra response headers (``Retry-After`` on 429 and 503).
     """
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = dict(headers or {})
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:

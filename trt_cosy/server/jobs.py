@@ -159,9 +159,9 @@ class SynthesisJob:
             if self._audio_s > 0:
                 self._metrics.rtf.observe(elapsed / self._audio_s)
         else:
-            self._metrics.cancelled.inc(reason)
+            self._metrics.cancelled.labels(reason).inc()
             _LOGGER.info("synthesis stopped (%s) after %d chunk(s), %.2f s", reason, self._count, elapsed)
-        self._metrics.audio_seconds.inc(amount=self._audio_s)
+        self._metrics.audio_seconds.inc(self._audio_s)
 
 
 @contextlib.asynccontextmanager

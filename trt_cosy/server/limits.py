@@ -9,7 +9,7 @@ from collections.abc import Callable
 import anyio
 from starlette.exceptions import HTTPException
 
-from .errors import APIError, error_bytes
+from .errors import RETRY_BUSY_S, APIError, error_bytes
 from .metrics import Metrics
 
 __all__ = ["Admission", "Slot", "BodySizeLimit", "BodyTooLarge"]
@@ -56,6 +56,7 @@ class Admission:
                 f"the server is busy ({self.active} running, {self.waiting} queued, the most it takes); "
                 "retry later.",
                 "server_overloaded",
+                headers={"Retry-After": str(RETRY_BUSY_S)},
             )
         self.waiting += 1
         self._publish()
@@ -64,7 +65,10 @@ class Admission:
                 await self._semaphore.acquire()
         except TimeoutError:
             raise APIError(
-                503, f"no synthesis slot became free within {timeout_s:g} s; retry later.", "queue_timeout"
+                503,
+                f"no synthesis slot became free within {timeout_s:g} s; retry later.",
+                "queue_timeout",
+                headers={"Retry-After": str(RETRY_BUSY_S)},
             ) from None
         finally:
             self.waiting -= 1

@@ -41,9 +41,13 @@ def run_server(tts: Any, settings: ServerSettings, log_level: str = "info") -> N
 
     from .app import create_app
 
-    if not settings.is_loopback:
+    server_logger = logging.getLogger("trt_cosy.server")
+    if server_logger.getEffectiveLevel() > logging.INFO:  # show the access lines (unless -vv asked for more)
+        server_logger.setLevel(logging.INFO)
+    if not settings.is_loopback and settings.api_key is None:
         _LOGGER.warning(
-            "binding %s: the server has no authentication; anyone who can reach this address can use it",
+            "binding %s without an API key: anyone who can reach this address can use the server; "
+            "pass --api-key (or set TRT_COSY_API_KEY)",
             settings.host,
         )
     uvicorn.Server(_config(create_app(tts, settings), settings.host, settings.port, log_level)).run()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -21,7 +21,7 @@ class ServerSettings:
     voices_dir: Path
     """Folder of the stored voices (``<name>.npz``); created when missing."""
     host: str = "127.0.0.1"
-    """Address to bind; loopback by default (the server has no authentication)."""
+    """Address to bind; loopback by default (anything else without ``api_key`` logs a warning)."""
     port: int = 8000
     """TCP port, 0-65535 (0: any free port)."""
     model_name: str = "cosyvoice2"
@@ -47,6 +47,8 @@ class ServerSettings:
     """Each read of an unfinished request body must return within this many seconds; else 408."""
     warmup: bool = True
     """Synthesise once at start; ``/health`` says ready only after it."""
+    api_key: str | None = field(default=None, repr=False)
+    """When set, every route but ``/health`` and the playground page needs ``Authorization: Bearer <api_key>``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voices_dir", Path(self.voices_dir))
@@ -60,6 +62,15 @@ class ServerSettings:
         for name in ("request_timeout_s", "max_upload_seconds", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)!r}.")
+        if self.api_key is not None and not (
+            isinstance(self.api_key, str)
+            and self.api_key
+            and all("!" <= char <= "~" for char in self.api_key)
+        ):
+            raise InputError(
+                "api_key must be a non-empty string of printable ASCII without spaces (it travels in an "
+                "HTTP header); generate one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InputError(f"port must be 0-65535, got {self.port!r}.")
 

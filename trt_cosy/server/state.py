@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import APIError
+from .errors import RETRY_WARMING_S, APIError
 from .limits import Admission
 from .metrics import Metrics
 from .settings import ServerSettings
@@ -40,5 +40,8 @@ class ServerState:
             raise APIError(503, f"the server failed to warm up: {self.warmup_error}", "warmup_failed")
         if not self.ready:
             raise APIError(
-                503, "the server is warming up; retry in a few seconds (see GET /health).", "not_ready"
+                503,
+                "the server is warming up; retry in a few seconds (see GET /health).",
+                "not_ready",
+                headers={"Retry-After": str(RETRY_WARMING_S)},
             )

@@ -1,0 +1,237 @@
+"""build_plan / build_plans over a fake tensorrt module that fails the way the real one does.
+
+``IBuilderConfig::addOptimizationProfile`` returns -1 for a profile it rejects (``NvInfer.h``), the
+Python ``IOptimizationProfile.set_shape`` raises ``RuntimeError`` for inconsistent shapes
+(``pyCore.cpp``), and TensorRT drops network inputs that nothing uses from the built plan. Each must
+stop the build before a plan is written: a plan the runtime refuses would otherwise be rebuilt and
+refused forever. No GPU, no TensorRT.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from trt_cosy.build import tensorrt as trt_build
+from trt_cosy.errors import TrtCosyError
+from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, write_profiles
+from trt_cosy.runtime.trt import PlanRecord
+
+PROFILES = GraphProfiles(
+    "toy",
+    (
+        ShapeProfile("short", {"x": ((1, 1, 4), (1, 8, 4), (1, 16, 4))}),
+        ShapeProfile("long", {"x": ((1, 1, 4), (1, 64, 4), (1, 128, 4))}),
+    ),
+)
+
+
+class _Profile:
+    def __init__(self):
+        self.shapes = {}
+
+    def set_shape(self, name, low, opt, high):
+        ok = len(low) == len(opt) == len(high) and all(
+            a <= b <= c for a, b, c in zip(low, opt, high, strict=True)
+        )
+        if not ok:
+            raise RuntimeError("Shape provided for min is inconsistent with other shapes.")
+        self.shapes[name] = (tuple(low), tuple(opt), tuple(high))
+
+
+def fake_tensorrt(graph: dict) -> SimpleNamespace:
+    """A tensorrt module; ``graph``: {"inputs": [...], "unused": [...], "rank": {name: rank}}."""
+    made = {"builders": [], "runtimes": [], "loggers": [], "configs": []}
+
+    class ILogger:
+        Severity = SimpleNamespace(INTERNAL_ERROR=0, ERROR=1, WARNING=2, INFO=3, VERBOSE=4)
+
+        def __init__(self):
+            made["loggers"].append(self)
+
+    class Network:
+        inputs: list[str] = []
+
+        @property
+        def num_inputs(self):
+            return len(self.inputs)
+
+        def get_input(self, index):
+            return SimpleNamespace(name=self.inputs[index])
+
+    class Parser:
+        num_errors = 0
+
+        def __init__(self, network, logger):
+            self.network, self.logger = network, logger
+
+        def parse_from_file(self, path):
+            self.network.inputs = list(json.loads(Path(path).read_text())["inputs"])
+            return True
+
+    class Config:
+        def __init__(self):
+            self.profiles = []
+            made["configs"].append(self)
+
+        def add_optimization_profile(self, profile):
+            ranks = graph.get("rank", {})
+            for name, (low, _, _) in profile.shapes.items():
+                if name not in graph["inputs"] or len(low) != ranks.get(name, len(low)):
+                    return -1  # NvInfer.h: "-1 if the input is not valid"
+            self.profiles.append(profile)
+            return len(self.profiles) - 1
+
+        def set_memory_pool_limit(self, pool, size):
+            pass
+
+        def create_timing_cache(self, data):
+            return SimpleNamespace(serialize=lambda: b"cache")
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            self.cache = cache
+            return True
+
+        def get_timing_cache(self):
+            return self.cache
+
+    class Builder:
+        def __init__(self, logger):
+            self.logger = logger
+            made["builders"].append(self)
+
+        def create_network(self, flags):
+            return Network()
+
+        def create_optimization_profile(self):
+            return _Profile()
+
+        def create_builder_config(self):
+            return Config()
+
+        def build_serialized_network(self, network, config):
+            kept = [n for n in network.inputs if n not in graph.get("unused", ())]  # unused: dropped
+            return json.dumps({"inputs": kept, "profiles": len(config.profiles)}).encode()
+
+    class Engine:
+        def __init__(self, data):
+            plan = json.loads(bytes(data))
+            self.names, self.num_optimization_profiles = [*plan["inputs"], "y"], plan["profiles"]
+            self.num_io_tensors = len(self.names)
+
+        def get_tensor_name(self, index):
+            return self.names[index]
+
+        def get_tensor_mode(self, name):
+            return "out" if name == "y" else "in"
+
+    class Runtime:
+        def __init__(self, logger):
+            self.logger = logger
+            made["runtimes"].append(self)
+
+        def deserialize_cuda_engine(self, data):
+            return Engine(data)
+
+    return SimpleNamespace(
+        ILogger=ILogger,
+        Builder=Builder,
+        OnnxParser=Parser,
+        Runtime=Runtime,
+        NetworkDefinitionCreationFlag=SimpleNamespace(STRONGLY_TYPED=0),
+        MemoryPoolType=SimpleNamespace(WORKSPACE=0),
+        TensorIOMode=SimpleNamespace(INPUT="in", OUTPUT="out"),
+        made=made,
+    )
+
+
+def _graph_file(tmp_path: Path, inputs: list[str]) -> Path:
+    path = tmp_path / "toy.onnx"  # the fake parser reads the input names from it
+    path.write_text(json.dumps({"inputs": inputs}))
+    return path
+
+
+def test_profiles_are_added_once_per_slot_in_order(tmp_path):
+    trt = fake_tensorrt({"inputs": ["x"]})
+    plan = trt_build.build_plan(
+        _graph_file(tmp_path, ["x"]), tmp_path / "toy.plan", PROFILES, tmp_path / "t.cache", slots=3, trt=trt
+    )
+    (config,) = trt.made["configs"]
+    highs = [p.shapes["x"][2][1] for p in config.profiles]
+    assert highs == [16, 128] * 3, highs  # slot k: profiles 2k ("short"), 2k + 1 ("long")
+    assert json.loads(plan.read_bytes())["profiles"] == 6
+
+
+def test_a_rejected_profile_stops_the_build_before_a_plan_is_written(tmp_path):
+    """Issue 19 item 5: add_optimization_profile returns -1; the old build wrote the plan anyway."""
+    trt = fake_tensorrt({"inputs": ["x"], "rank": {"x": 2}})  # the graph's x is [1, T]: rank 3 is invalid
+    with pytest.raises(TrtCosyError, match=r"rejected profile 'short'.*returned -1"):
+        trt_build.build_plan(_graph_file(tmp_path, ["x"]), tmp_path / "toy.plan", PROFILES, trt=trt)
+    assert not (tmp_path / "toy.plan").exists()
+
+
+def test_inconsistent_profile_shapes_are_the_projects_error(tmp_path):
+    class Broken(ShapeProfile):
+        def __post_init__(self):  # skip the dataclass check: a profile TensorRT must refuse
+            pass
+
+    bad = GraphProfiles("toy", (Broken("bad", {"x": ((1, 9, 4), (1, 8, 4), (1, 16, 4))}),))
+    trt = fake_tensorrt({"inputs": ["x"]})
+    with pytest.raises(TrtCosyError, match="rejects profile 'bad'.*inconsistent"):
+        trt_build.build_plan(_graph_file(tmp_path, ["x"]), tmp_path / "toy.plan", bad, trt=trt)
+
+
+def test_inputs_the_plan_dropped_stop_the_build(tmp_path):
+    """Issue 19 item 5: TensorRT drops unused inputs; the runtime would refuse that plan forever."""
+    profiles = GraphProfiles(
+        "toy", tuple(ShapeProfile(p.name, {**p.shapes, "flag": ((1,),) * 3}) for p in PROFILES.profiles)
+    )
+    trt = fake_tensorrt({"inputs": ["x", "flag"], "unused": ["flag"]})
+    with pytest.raises(TrtCosyError, match=r"built plan has inputs \['x'\].*missing \['flag'\].*drops"):
+        trt_build.build_plan(_graph_file(tmp_path, ["x", "flag"]), tmp_path / "toy.plan", profiles, trt=trt)
+    assert not (tmp_path / "toy.plan").exists()
+
+
+def test_network_inputs_the_profiles_do_not_name_stop_the_build(tmp_path):
+    trt = fake_tensorrt({"inputs": ["x", "extra"]})
+    with pytest.raises(
+        TrtCosyError, match=r"parsed network has inputs \['extra', 'x'\].*unnamed \['extra'\]"
+    ):
+        trt_build.build_plan(_graph_file(tmp_path, ["x", "extra"]), tmp_path / "toy.plan", PROFILES, trt=trt)
+
+
+def test_every_builder_and_runtime_shares_one_logger(tmp_path):
+    """Issue 19 item 6: one logger for the process (TensorRT keeps the first one it is given)."""
+    trt = fake_tensorrt({"inputs": ["x"]})
+    for name in ("a", "b"):
+        trt_build.build_plan(_graph_file(tmp_path, ["x"]), tmp_path / f"{name}.plan", PROFILES, trt=trt)
+    loggers = {id(b.logger) for b in trt.made["builders"]} | {id(r.logger) for r in trt.made["runtimes"]}
+    assert len(trt.made["loggers"]) == 1 and len(loggers) == 1 and len(trt.made["runtimes"]) == 1
+
+
+def test_build_plans_records_slots_and_rebuilds_when_they_change(tmp_path, monkeypatch):
+    trt = fake_tensorrt({"inputs": ["x"]})
+    system = {"gpu": "Fake GPU", "compute_capability": "9.0", "tensorrt": "10.12.0"}
+    monkeypatch.setattr(trt_build, "load_tensorrt", lambda: trt)
+    monkeypatch.setattr(trt_build, "current_system", lambda trt: system)
+    _graph_file(tmp_path, ["x"])
+    write_profiles({"toy": PROFILES}, tmp_path / "profiles.json")
+    summary = {
+        "graphs": {"toy": {"onnx": "toy.onnx", "onnx_sha256": "aa"}},
+        "precision": "fp16",
+        "checkpoint": "cc",
+        "profiles": "profiles.json",
+    }
+    (tmp_path / trt_build.TRT_SUMMARY_NAME).write_text(json.dumps(summary))
+    messages: list[str] = []
+    records = trt_build.build_plans(tmp_path, slots=2, progress=messages.append)
+    assert records["toy"].slots == 2
+    stored = PlanRecord.from_dict(json.loads((tmp_path / "plans" / "toy.json").read_text()))
+    assert stored.slots == 2 and json.loads((tmp_path / "plans" / "toy.plan").read_bytes())["profiles"] == 4
+    trt_build.build_plans(tmp_path, slots=2, progress=messages.append)
+    assert "kept" in messages[-1], messages
+    trt_build.build_plans(tmp_path, slots=1, progress=messages.append)
+    assert any("built for 2 slot(s), 1 wanted" in m for m in messages), messages

@@ -1,0 +1,210 @@
+"""Fake TensorRT engines and contexts that fail the way the real bindings do (TensorRT 10.12 / 11.x).
+
+What the fakes enforce, each from NVIDIA/TensorRT's sources (python/src/infer/pyCore.cpp,
+include/NvInferRuntime.h):
+
+* ``set_optimization_profile_async`` raises ``RuntimeError`` on failure (the binding's
+  ``PY_ASSERT_RUNTIME_ERROR``), e.g. for an index out of range, and here also when another live
+  context of the engine holds that profile ("each execution context in concurrent use must use a
+  separate optimization profile", ``class IExecutionContext``).
+* ``set_input_shape`` returns False for a shape outside the selected profile (or a "rejected" max
+  shape: a stale plan) and the tensor's shape then reads as -1 dims from ``get_tensor_shape``.
+* A profile switch forgets the shapes and the bound addresses (the header promises neither survives).
+* ``set_tensor_address`` returns False for an address that is not 256-byte aligned.
+* ``execute_async_v3`` returns False when an address is unset, when the launch stream is not the
+  one the profile was switched on (unsynchronised streams), or, for ``USER_MANAGED`` contexts, when
+  the activation memory given with ``set_device_memory`` is smaller than the profile needs.
+* ``is_shape_inference_io`` and ``get_tensor_profile_shape`` answer from the engine's data.
+
+"Device" memory is host memory (``aligned_block``) so that outputs can be computed with numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from trt_cosy.runtime.profiles import GraphProfiles
+
+STATIC, ON_PROFILE_CHANGE, USER_MANAGED = 0, 1, 2
+FAKE_TRT = SimpleNamespace(
+    TensorIOMode=SimpleNamespace(INPUT="in", OUTPUT="out"),
+    nptype=lambda dtype: dtype,
+    ExecutionContextAllocationStrategy=SimpleNamespace(
+        STATIC=STATIC, ON_PROFILE_CHANGE=ON_PROFILE_CHANGE, USER_MANAGED=USER_MANAGED
+    ),
+)
+ALIGN = 256
+
+
+def aligned_block(blocks: dict[int, Any], size: int) -> int:
+    """A host block whose address is 256-byte aligned, as cudaMalloc's are; kept alive in ``blocks``."""
+    raw = ctypes.create_string_buffer(int(size) + ALIGN)
+    address = (ctypes.addressof(raw) + ALIGN - 1) // ALIGN * ALIGN
+    blocks[address] = raw
+    return address
+
+
+def host_array(ptr: int, shape: Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+    """A numpy view of fake device memory."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    raw = (ctypes.c_byte * (count * dtype.itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype).reshape(tuple(shape))
+
+
+class FakeContext:
+    """An ``IExecutionContext`` with the real one's failure modes; ``run`` computes the outputs."""
+
+    def __init__(self, engine: FakeEngine, strategy: int):
+        self.engine, self.strategy = engine, strategy
+        self.profile, self.profile_stream = 0, None
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.addresses: dict[str, int] = {}
+        self.memory: tuple[int, int] | None = None
+        self.calls: list[tuple] = []
+
+    def set_optimization_profile_async(self, index: int, stream: int) -> bool:
+        self.calls.append(("profile", index))
+        engine = self.engine
+        holder = engine.selected.get(index)
+        if not 0 <= index < engine.num_optimization_profiles or engine.fail_profile_switch:
+            raise RuntimeError("Error in set optimization profile async.")
+        if holder is not None and holder() not in (None, self):
+            raise RuntimeError(f"profile {index} is in use by another execution context")
+        engine.selected = {k: v for k, v in engine.selected.items() if v() is not self}
+        engine.selected[index] = weakref.ref(self)
+        self.profile, self.profile_stream = index, stream
+        self.shapes, self.addresses = {}, {}
+        return True
+
+    def set_input_shape(self, name: str, shape: Sequence[int]) -> bool:
+        shape = tuple(int(d) for d in shape)
+        self.calls.append(("shape", name, shape))
+        low, _, high = self.engine.profile_shapes(self.profile)[name]
+        fits = len(shape) == len(low) and all(a <= d <= c for a, d, c in zip(low, shape, high, strict=True))
+        if not fits or (self.engine.reject_max and shape == tuple(high)):
+            self.shapes.pop(name, None)
+            return False
+        self.shapes[name] = shape
+        return True
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        if name in self.engine.inputs:
+            return self.shapes.get(name, (-1,) * len(self.engine.profile_shapes(self.profile)[name][0]))
+        if set(self.engine.inputs) - set(self.shapes):
+            return (-1, -1, -1)  # an input shape is unset (or was rejected)
+        return tuple(self.engine.output_shape(self.shapes, name))
+
+    def set_tensor_address(self, name: str, ptr: int) -> bool:
+        self.calls.append(("address", name, ptr))
+        if name not in (*self.engine.inputs, *self.engine.outputs) or int(ptr) % ALIGN:
+            return False
+        self.addresses[name] = int(ptr)
+        return True
+
+    def set_device_memory(self, memory: int, size: int) -> None:
+        self.calls.append(("memory", memory, size))
+        self.memory = (int(memory), int(size))
+
+    def execute_async_v3(self, stream_handle: int) -> bool:
+        engine = self.engine
+        failure = None
+        if set(engine.inputs) - set(self.shapes):
+            failure = "input shapes unset"
+        elif set(engine.inputs + engine.outputs) - set(self.addresses):
+            failure = f"addresses unset: {sorted(set(engine.inputs + engine.outputs) - set(self.addresses))}"
+        elif stream_handle != self.profile_stream:
+            failure = "launch stream differs from the profile's stream (no synchronisation)"
+        elif self.strategy == USER_MANAGED and (
+            self.memory is None or self.memory[1] < engine.workspace(self.profile)
+        ):
+            failure = f"activation memory {self.memory} < {engine.workspace(self.profile)}"
+        self.calls.append(("execute", failure))
+        engine.failures.extend([failure] if failure else [])
+        if failure:
+            return False
+        self.run(stream_handle)
+        return True
+
+    def run(self, stream_handle: int) -> None:
+        """Compute the outputs from the bound addresses (the engine's ``compute``)."""
+        views = {n: host_array(self.addresses[n], self.shapes[n]) for n in self.engine.inputs}
+        outputs = self.engine.compute(views)
+        for name, value in outputs.items():
+            host_array(self.addresses[name], value.shape)[...] = value
+
+
+class FakeEngine:
+    """An ``ICudaEngine`` over plain data: its profiles (× slots), I/O names and a numpy ``compute``.
+
+    ``context``: the context class; ``output_shape(shapes, name)``: an output's shape from the set
+    input shapes; ``workspace(profile)``: activation bytes per engine profile.
+    """
+
+    def __init__(
+        self,
+        profiles: GraphProfiles,
+        *,
+        outputs: Sequence[str],
+        compute: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
+        output_shape: Callable[[Mapping[str, tuple[int, ...]], str], Sequence[int]],
+        slots: int = 1,
+        context: type[FakeContext] = FakeContext,
+        shape_io: Sequence[str] = (),
+        reject_max: bool = False,
+        dropped: Sequence[str] = (),
+    ):
+        self.profiles, self.context_class = profiles, context
+        self.inputs = tuple(n for n in profiles.input_names if n not in dropped)
+        self.outputs = tuple(outputs)
+        self.compute, self.output_shape = compute, output_shape
+        self.num_optimization_profiles = len(profiles.profiles) * slots
+        self.shape_io, self.reject_max, self.fail_profile_switch = set(shape_io), reject_max, False
+        self.contexts: list[weakref.ref] = []
+        self.strategies: list[int] = []
+        self.selected: dict[int, weakref.ref] = {}
+        self.failures: list[str] = []
+
+    @property
+    def num_io_tensors(self) -> int:
+        return len(self.inputs) + len(self.outputs)
+
+    def get_tensor_name(self, index: int) -> str:
+        return (*self.inputs, *self.outputs)[index]
+
+    def get_tensor_mode(self, name: str) -> str:
+        return "in" if name in self.inputs else "out"
+
+    def get_tensor_dtype(self, name: str) -> Any:
+        return np.float32
+
+    def is_shape_inference_io(self, name: str) -> bool:
+        return name in self.shape_io
+
+    def profile_shapes(self, index: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+        return self.profiles.profiles[index % len(self.profiles.profiles)].shapes
+
+    def get_tensor_profile_shape(self, name: str, index: int) -> list[tuple[int, ...]]:
+        return [tuple(s) for s in self.profile_shapes(index)[name]]
+
+    def workspace(self, index: int) -> int:
+        return 4096 * (index % len(self.profiles.profiles) + 1)
+
+    def get_device_memory_size_for_profile_v2(self, index: int) -> int:
+        return self.workspace(index)
+
+    def create_execution_context(self, strategy: int = STATIC) -> FakeContext:
+        context = self.context_class(self, strategy)
+        self.contexts.append(weakref.ref(context))
+        self.strategies.append(strategy)
+        return context
+
+    @property
+    def live_contexts(self) -> list[FakeContext]:
+        return [c for c in (ref() for ref in self.contexts) if c is not None]
