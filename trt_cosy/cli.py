@@ -11,6 +11,7 @@ import click
 
 from . import __version__
 from .errors import TrtCosyError
+from .serving.cli import ray_serve_options, triton_repo
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -507,6 +508,7 @@ def download(name: str, source: str, target: Path | None) -> None:
               show_default=True, help="Per-request time limit, seconds.")
 @click.option("--api-key", envvar="TRT_COSY_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every route but /health and the playground page.")
+@ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
           threads: int | None, max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
@@ -558,6 +560,8 @@ def bench(engines: Path | None, model_dir: Path | None, tokens: int, text: str |
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
+
+main.add_command(triton_repo)
 
 for _command in main.commands.values():  # keep last: after every command is defined
     _add_verbose_option(_command)

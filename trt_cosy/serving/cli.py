@@ -1,0 +1,97 @@
+"""The serving commands of the CLI: ``trt-cosy triton-repo`` and ``trt-cosy serve --ray``.
+
+Registered by ``trt_cosy.cli`` (``main.add_command(triton_repo)``, ``@ray_serve_options`` on ``serve``).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import click
+
+__all__ = ["triton_repo", "ray_serve_options"]
+
+
+@click.command("triton-repo")
+@click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Engines directory from `trt-cosy build` (referenced by path, not copied).")
+@click.option("--out", "repo", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Model repository folder to write into (tritonserver --model-repository).")
+@click.option("--model-name", default="trt_cosy", show_default=True, help="The model's name in Triton.")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Model instances (per GPU with --device gpu); each runs one request at a time.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="KIND_GPU or KIND_CPU instances; auto: GPU for TensorRT engines, CPU for ONNX Runtime ones.")
+@click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of stored voices (<name>.npz) for the `voice` input.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests waiting for a free instance; Triton refuses more.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per graph and instance.")
+@click.option("--decoupled/--no-decoupled", default=True, show_default=True,
+              help="Decoupled (streaming, gRPC and HTTP generate_stream) or one response per request "
+                   "(Triton's HTTP infer endpoint refuses decoupled models).")
+@click.option("--python-path", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Folder put first on the backend stub's import path (repeatable), e.g. a venv's site-packages.")
+def triton_repo(engines: Path, repo: Path, model_name: str, instances: int, device: str, voices_dir: Path | None,
+                max_queue: int, threads: int | None, decoupled: bool, python_path: tuple[str, ...]) -> None:
+    """Write a Triton Inference Server model repository (Python backend) that serves the engines."""
+    from .triton_repo import TritonRepoOptions, write_triton_repo
+
+    options = TritonRepoOptions(model_name=model_name, instances=instances, device=device, voices_dir=voices_dir,
+                                max_queue=max_queue, decoupled=decoupled, threads=threads, python_path=python_path)
+    model_dir = write_triton_repo(engines, repo, options)
+    click.echo(f"wrote {model_dir}; serve it with: tritonserver --model-repository {repo.resolve()}")
+
+
+def _autoscale(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        low, high = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: use MIN:MAX, e.g. 1:4.") from None
+    if not 0 <= low <= high or high < 1:
+        raise click.BadParameter(f"{value!r}: need 0 <= MIN <= MAX and MAX >= 1.")
+    return low, high
+
+
+def ray_serve_options(serve_command):
+    """Add ``--ray``, ``--replicas``, ``--autoscale`` and ``--ray-address`` to ``serve``; with ``--ray``
+    the app runs as a Ray Serve deployment instead of one uvicorn process."""
+
+    @functools.wraps(serve_command)
+    def serve(ray: bool, replicas: int | None, autoscale: str | None, ray_address: str | None, **options):
+        if not ray:
+            if replicas is not None or autoscale is not None or ray_address is not None:
+                raise click.UsageError("--replicas, --autoscale and --ray-address go with --ray.")
+            return serve_command(**options)
+        if replicas is not None and autoscale is not None:
+            raise click.UsageError("pass only one of --replicas, --autoscale.")
+        if options.get("engines") is None:
+            raise click.UsageError(
+                "--ray needs --engines: an engines directory every replica loads (`trt-cosy build --out DIR`)."
+            )
+        from ..errors import require
+
+        for module in ("ray", "fastapi", "uvicorn", "python_multipart", "prometheus_client"):
+            require(module, "ray")
+        from .ray_app import RayServeOptions, run_ray_serve
+
+        run_ray_serve(RayServeOptions(
+            engines=Path(options["engines"]), voices_dir=options.get("voices_dir"), host=options["host"],
+            port=options["port"], threads=options.get("threads"), max_concurrent=options["max_concurrent"],
+            max_queue=options["max_queue"], request_timeout_s=options["timeout_s"], replicas=replicas or 1,
+            autoscale=_autoscale(autoscale), ray_address=ray_address,
+            settings={"api_key": options["api_key"]} if options.get("api_key") else {},
+        ), progress=lambda message: click.echo(message, err=True))
+
+    for option in reversed((
+        click.option("--ray", is_flag=True, help="Serve as a Ray Serve deployment (one engine per replica)."),
+        click.option("--replicas", type=click.IntRange(min=1), default=None, help="--ray: replicas (default 1)."),
+        click.option("--autoscale", default=None, metavar="MIN:MAX", help="--ray: autoscale between MIN and MAX."),
+        click.option("--ray-address", default=None,
+                     help="--ray: a running cluster (ray://host:10001 or auto); default: a local Ray."),
+    )):
+        serve = option(serve)
+    return serve

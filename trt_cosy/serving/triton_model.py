@@ -1,0 +1,171 @@
+"""The Triton Python-backend model (``TritonPythonModel``) that ``trt-cosy triton-repo`` writes.
+
+Runs only inside Triton's Python-backend stub (it imports ``triton_python_backend_utils``). One
+``CosyVoice`` per model instance; requests of an instance run one after another (``--instances``
+sets how many run at once). Decoupled (the default): one response per audio chunk and then the final
+flag, or with ``stream`` false one response holding the whole audio. Bad input answers that request
+with a Triton error carrying the CLI's message; the instance keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..errors import InputError, TrtCosyError
+from .triton_speech import DEFAULT_MAX_TEXT_CHARS, INPUT_NAMES, TritonSpeech
+
+__all__ = ["TritonPythonModel"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def check_numpy_abi() -> None:
+    """Refuse a numpy 2 that the stub cannot read: stubs built with pybind11 < 2.12 (Triton 2.51 and
+    earlier; fixed in triton-inference-server/python_backend#384) read numpy 2 input tensors as garbage
+    (every element a copy of the first, BYTES inputs crash the stub), which would serve noise."""
+    if int(np.__version__.split(".")[0]) < 2:
+        return
+    probe = np.arange(8, dtype=np.float32)  # probe: [8]
+    try:
+        # from_dlpack builds the array on the C++ side, as request inputs are built.
+        back = pb_utils.Tensor.from_dlpack("probe", probe).as_numpy()
+    except Exception as exc:  # noqa: BLE001 - a stub without this path: nothing to conclude
+        _LOGGER.warning("could not check the stub's numpy support (%s); numpy %s", exc, np.__version__)
+        return
+    if back.shape != probe.shape or not np.array_equal(back, probe):
+        raise TrtCosyError(
+            f"this Triton Python-backend stub corrupts numpy {np.__version__} tensors (it was built for numpy "
+            "1.x). Put numpy<2 first on the stub's path (`pip install --target DIR 'numpy<2'` and "
+            "`trt-cosy triton-repo --python-path DIR ...`) or use a Triton release after 2.51."
+        )
+
+
+def _parameters(model_config: dict[str, Any]) -> dict[str, str]:
+    return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
+
+
+def _pin_gpu(args: dict[str, Any]) -> None:
+    """KIND_GPU: this instance's stub process sees only its GPU (set before CUDA starts here)."""
+    if args.get("model_instance_kind") != "GPU":
+        return
+    device = int(args["model_instance_device_id"])
+    visible = [item for item in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if item.strip()]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[device] if device < len(visible) else str(device)
+    _LOGGER.info("instance %s uses GPU %s", args.get("model_instance_name"), os.environ["CUDA_VISIBLE_DEVICES"])
+
+
+class TritonPythonModel:
+    """Triton's entry points: ``initialize``, ``execute``, ``finalize``."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        check_numpy_abi()
+        model_config = json.loads(args["model_config"])
+        parameters = _parameters(model_config)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
+        _pin_gpu(args)
+        from ..runtime.manifest import Manifest
+        from ..synthesis import EngineConfig
+        from ..tts import CosyVoice
+
+        engines = Path(parameters["engines"])
+        threads = int(parameters["threads"]) if parameters.get("threads") else None
+        backend = Manifest.read(engines).backend
+        tts = CosyVoice.load(engines, backend=backend, config=EngineConfig(threads=threads))
+        voices = None
+        if parameters.get("voices_dir"):
+            from ..server.voices_store import VoiceStore
+
+            voices = VoiceStore(parameters["voices_dir"], tts.model_id)
+            voices.load()
+        max_chars = int(parameters.get("max_text_chars") or DEFAULT_MAX_TEXT_CHARS)
+        self.speech = TritonSpeech(tts, voices, max_chars)
+        self.sample_rate = np.array([tts.sample_rate], dtype=np.int32)  # sample_rate: [1]
+        _LOGGER.info("%s ready: %s from %s (decoupled %s)", args["model_instance_name"], tts.model_id, engines,
+                     self.decoupled)
+
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        if self.decoupled:
+            for request in requests:
+                self._stream(request, request.get_response_sender())
+            return None
+        return [self._single(request) for request in requests]
+
+    def finalize(self) -> None:
+        self.speech = None
+
+    # ------------------------------------------------------------------ decoupled
+
+    def _stream(self, request: Any, sender: Any) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            inputs, chunks = self.speech.chunks(_inputs(request))
+            if not inputs.stream:
+                audio = _concatenate(chunks)
+                sender.send(self._response(audio), flags=final)  # exactly one response (HTTP generate)
+                return
+            for audio in chunks:
+                if _cancelled(sender):
+                    chunks.close()
+                    break
+                sender.send(self._response(audio))
+            sender.send(flags=final)
+        except Exception as exc:  # noqa: BLE001 - every failure answers this request, the instance stays up
+            sender.send(pb_utils.InferenceResponse(error=_error(exc)), flags=final)
+
+    # ------------------------------------------------------------------ one response per request
+
+    def _single(self, request: Any) -> Any:
+        try:
+            inputs, chunks = self.speech.chunks(_inputs(request))
+            if inputs.stream:
+                chunks.close()
+                raise InputError(
+                    "stream is true but this model is not decoupled; send stream false, or use the decoupled "
+                    "model (`trt-cosy triton-repo` without --no-decoupled) with gRPC streaming."
+                )
+            return self._response(_concatenate(chunks))
+        except Exception as exc:  # noqa: BLE001
+            return pb_utils.InferenceResponse(error=_error(exc))
+
+    def _response(self, audio: np.ndarray) -> Any:
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor("audio", audio), pb_utils.Tensor("sample_rate", self.sample_rate)]
+        )
+
+
+def _inputs(request: Any) -> dict[str, np.ndarray]:
+    inputs = {}
+    for name in INPUT_NAMES:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            inputs[name] = tensor.as_numpy()
+    return inputs
+
+
+def _concatenate(chunks: Any) -> np.ndarray:
+    parts = list(chunks)
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)  # audio: [N]
+
+
+def _cancelled(sender: Any) -> bool:
+    is_cancelled = getattr(sender, "is_cancelled", None)
+    return bool(is_cancelled()) if is_cancelled is not None else False
+
+
+def _error(exc: Exception) -> Any:
+    if isinstance(exc, TrtCosyError):
+        message, code = str(exc), "INVALID_ARG"
+    else:
+        _LOGGER.error("internal error", exc_info=exc)
+        message, code = f"internal error ({type(exc).__name__}: {exc}); see the Triton server log.", "INTERNAL"
+    try:
+        return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
+    except (AttributeError, TypeError):  # a stub without error codes
+        return pb_utils.TritonError(message)

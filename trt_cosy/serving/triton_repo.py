@@ -1,0 +1,156 @@
+"""``trt-cosy triton-repo``: write a Triton Inference Server model repository for an engines directory.
+
+    REPO/<model-name>/config.pbtxt   decoupled Python-backend model, instance groups, queue limit
+    REPO/<model-name>/1/model.py     imports ``trt_cosy.serving.triton_model.TritonPythonModel``
+
+The engines (and the voices folder) are referenced by absolute path, not copied: mount them at the same
+path inside the Triton container. The model's contract (inputs, outputs) is listed in ``INPUTS``/``OUTPUTS``
+and in README "Serving".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from ..errors import InputError
+
+__all__ = ["TritonRepoOptions", "write_triton_repo", "INPUTS", "OUTPUTS"]
+
+_LOGGER = logging.getLogger(__name__)
+
+# (name, Triton data type, dims, optional)
+INPUTS: Final = (
+    ("text", "TYPE_STRING", "[ 1 ]", False),
+    ("voice", "TYPE_STRING", "[ 1 ]", True),
+    ("reference_audio", "TYPE_FP32", "[ -1 ]", True),
+    ("reference_sample_rate", "TYPE_INT32", "[ 1 ]", True),
+    ("reference_text", "TYPE_STRING", "[ 1 ]", True),
+    ("seed", "TYPE_INT64", "[ 1 ]", True),
+    ("stream", "TYPE_BOOL", "[ 1 ]", True),
+)
+OUTPUTS: Final = (("audio", "TYPE_FP32", "[ -1 ]"), ("sample_rate", "TYPE_INT32", "[ 1 ]"))
+DEVICES: Final = ("auto", "cpu", "gpu")
+
+_MODEL_PY: Final = '''\
+"""trt-cosy text-to-speech for Triton's Python backend (written by `trt-cosy triton-repo`)."""
+
+import os
+import sys
+
+# The Python-backend stub ignores PYTHONPATH; apply it (and the paths given to triton-repo) here.
+_PATHS = {paths!r} + os.environ.get("PYTHONPATH", "").split(os.pathsep)
+for _path in reversed([path for path in _PATHS if path]):
+    if _path in sys.path:
+        sys.path.remove(_path)
+    sys.path.insert(0, _path)
+
+from trt_cosy.serving.triton_model import TritonPythonModel  # noqa: E402,F401
+'''
+
+
+@dataclass(frozen=True)
+class TritonRepoOptions:
+    """What ``write_triton_repo`` puts in the repository."""
+
+    model_name: str = "trt_cosy"
+    """The model's name in Triton (its folder name, and the URL ``/v2/models/<name>``)."""
+    instances: int = 1
+    """Model instances (each loads the engines once and runs one request at a time): per GPU with KIND_GPU."""
+    device: str = "auto"
+    """``"cpu"`` (KIND_CPU), ``"gpu"`` (KIND_GPU: ``instances`` on every GPU) or ``"auto"`` (GPU for
+    TensorRT engines, CPU for ONNX Runtime engines)."""
+    voices_dir: Path | None = None
+    """Folder of stored voices (``<name>.npz``) that the ``voice`` input names; None: only reference audio."""
+    max_queue: int = 8
+    """Requests waiting for a free instance; Triton refuses more (``Exceeds maximum queue size``)."""
+    decoupled: bool = True
+    """Decoupled transaction policy (streaming: one response per chunk). False: one response per request,
+    for clients of Triton's HTTP ``infer`` endpoint, which refuses decoupled models."""
+    threads: int | None = None
+    """CPU threads per graph of each instance; None: the engine's default."""
+    max_text_chars: int = 4096
+    """Longest text accepted, in characters."""
+    python_path: tuple[str, ...] = ()
+    """Folders put first on the stub's ``sys.path`` (a venv's site-packages, a numpy<2 folder)."""
+
+    def __post_init__(self) -> None:
+        if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
+            raise InputError(f"invalid model name {self.model_name!r}; use letters, digits, '_' or '-'.")
+        for name in ("instances", "max_queue", "max_text_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be a positive integer, got {value!r}.")
+        if self.device not in DEVICES:
+            raise InputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}.")
+
+
+def write_triton_repo(engines: str | Path, repo: str | Path, options: TritonRepoOptions | None = None) -> Path:
+    """Write ``repo/<model_name>/`` for ``engines``; returns the model folder. Other models in ``repo``
+    are left alone; this model's files are replaced.
+
+    Raises:
+        EngineMismatchError: ``engines`` is not an engines directory.
+        InputError: ``device`` "gpu" for ONNX Runtime engines (they run on the CPU) or "cpu" for TensorRT.
+    """
+    from ..runtime.manifest import Manifest
+
+    options = options or TritonRepoOptions()
+    engines = Path(engines).resolve()
+    backend = Manifest.read(engines).backend
+    kind = _instance_kind(options.device, backend)
+    model_dir = Path(repo) / options.model_name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(model_config(engines, kind, options), encoding="utf-8")
+    paths = [str(Path(path).resolve()) for path in options.python_path]
+    (model_dir / "1" / "model.py").write_text(_MODEL_PY.format(paths=paths), encoding="utf-8")
+    _LOGGER.info("wrote Triton model %s (%s, %s engines) in %s", options.model_name, kind, backend, model_dir)
+    return model_dir
+
+
+def _instance_kind(device: str, backend: str) -> str:
+    gpu_engines = backend == "tensorrt"
+    if device == "auto":
+        return "KIND_GPU" if gpu_engines else "KIND_CPU"
+    if device == "gpu" and not gpu_engines:
+        raise InputError(
+            "--device gpu: these are ONNX Runtime engines, which run on the CPU. Use --device cpu, or build "
+            "TensorRT engines (`trt-cosy build --backend tensorrt`) for GPU instances."
+        )
+    if device == "cpu" and gpu_engines:
+        raise InputError("--device cpu: these are TensorRT engines, which need a GPU. Use --device gpu or auto.")
+    return "KIND_GPU" if device == "gpu" else "KIND_CPU"
+
+
+def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
+    """The ``config.pbtxt`` text (protobuf text format)."""
+    parameters = {
+        "engines": str(engines),
+        "voices_dir": str(Path(options.voices_dir).resolve()) if options.voices_dir is not None else "",
+        "threads": str(options.threads or ""),
+        "max_text_chars": str(options.max_text_chars),
+    }
+    inputs = ",\n".join(
+        f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{" optional: true" if optional else ""} }}'
+        for name, dtype, dims, optional in INPUTS
+    )
+    outputs = ",\n".join(f'  {{ name: "{name}" data_type: {dtype} dims: {dims} }}' for name, dtype, dims in OUTPUTS)
+    params = ",\n".join(
+        f"  {{ key: {json.dumps(key)} value: {{ string_value: {json.dumps(value)} }} }}"
+        for key, value in parameters.items()
+    )
+    return (
+        f"# Written by `trt-cosy triton-repo`; engines are read from {engines} (mount it at this path).\n"
+        f'name: "{options.model_name}"\n'
+        'backend: "python"\n'
+        "max_batch_size: 0\n"
+        f"model_transaction_policy {{ decoupled: {str(options.decoupled).lower()} }}\n"
+        f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {options.max_queue} }} }}\n"
+        f"instance_group [ {{ count: {options.instances} kind: {kind} }} ]\n"
+        f"input [\n{inputs}\n]\n"
+        f"output [\n{outputs}\n]\n"
+        f"parameters [\n{params}\n]\n"
+    )

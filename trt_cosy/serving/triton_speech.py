@@ -1,0 +1,187 @@
+"""The Triton model's request logic without Triton: input arrays in, audio chunks out.
+
+``triton_model`` adapts this to the Python backend (``pb_utils``); keeping the checks here lets
+tests run them without a server. Every refusal is an ``InputError`` whose message is the one the
+CLI prints for the same mistake (the engine's own checks raise them unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import InputError
+from ..frontend.voice import Voice
+from ..synthesis import SynthesisConfig
+
+__all__ = ["SpeechInputs", "TritonSpeech", "parse_inputs", "INPUT_NAMES"]
+
+_LOGGER = logging.getLogger(__name__)
+
+DEFAULT_MAX_TEXT_CHARS: Final = 4096
+INPUT_NAMES: Final = (
+    "text", "voice", "reference_audio", "reference_sample_rate", "reference_text", "seed", "stream",
+)
+_REFERENCE_NAME: Final = "reference_audio"
+
+
+@dataclass(frozen=True)
+class SpeechInputs:
+    """One request's inputs, decoded and checked."""
+
+    text: str
+    voice: str | None
+    """A stored voice's name (``voice`` input), or None when ``reference_audio`` is given."""
+    reference_audio: np.ndarray | None
+    """float32 [N], mono, in [-1, 1]."""
+    reference_sample_rate: int | None
+    reference_text: str | None
+    seed: int | None
+    stream: bool
+
+
+def _one(inputs: Mapping[str, np.ndarray], name: str) -> Any:
+    """The single element of an input declared with dims [1]."""
+    array = np.asarray(inputs[name]).reshape(-1)  # array: [1]
+    if array.size != 1:
+        raise InputError(f"input {name!r} must hold exactly one element, got {array.size}.")
+    return array[0]
+
+
+def _string(inputs: Mapping[str, np.ndarray], name: str) -> str:
+    value = _one(inputs, name)
+    if isinstance(value, bytes | np.bytes_):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"input {name!r} is not UTF-8 text; send it UTF-8 encoded.") from None
+    return str(value)
+
+
+def parse_inputs(inputs: Mapping[str, np.ndarray], max_text_chars: int = DEFAULT_MAX_TEXT_CHARS) -> SpeechInputs:
+    """Decode the request's tensors (by input name) and check what does not need the engine.
+
+    Raises:
+        InputError: a missing or extra voice, a text longer than ``max_text_chars``, a bad reference
+            rate or array, a negative seed.
+    """
+    unknown = sorted(set(inputs) - set(INPUT_NAMES))
+    if unknown:
+        raise InputError(f"unknown inputs {unknown}; this model takes {', '.join(INPUT_NAMES)}.")
+    if "text" not in inputs:
+        raise InputError("input 'text' is missing; send the words to speak.")
+    text = _string(inputs, "text")
+    if len(text) > max_text_chars:
+        raise InputError(
+            f"text is {len(text)} characters; at most {max_text_chars} are accepted. Send the text in parts."
+        )
+    has_voice, has_reference = "voice" in inputs, _REFERENCE_NAME in inputs
+    if has_voice == has_reference:
+        raise InputError(
+            "send either 'voice' (a stored voice's name) or 'reference_audio' with 'reference_sample_rate', "
+            "not both and not neither."
+        )
+    reference, rate, reference_text = None, None, None
+    if has_reference:
+        reference, rate = _reference(inputs)
+        if "reference_text" in inputs:
+            reference_text = _string(inputs, "reference_text")
+    elif "reference_sample_rate" in inputs or "reference_text" in inputs:
+        raise InputError("'reference_sample_rate' and 'reference_text' go with 'reference_audio', not 'voice'.")
+    seed = int(_one(inputs, "seed")) if "seed" in inputs else None
+    if seed is not None and seed < 0:
+        raise InputError(f"seed must be a non-negative integer, got {seed}.")
+    stream = bool(_one(inputs, "stream")) if "stream" in inputs else False
+    voice = _string(inputs, "voice") if has_voice else None
+    return SpeechInputs(text, voice, reference, rate, reference_text, seed, stream)
+
+
+def _reference(inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, int]:
+    if "reference_sample_rate" not in inputs:
+        raise InputError("'reference_audio' needs 'reference_sample_rate' (Hz, INT32 [1]).")
+    rate = int(_one(inputs, "reference_sample_rate"))
+    if rate <= 0:
+        raise InputError(f"reference_sample_rate must be positive (Hz), got {rate}.")
+    audio = np.asarray(inputs[_REFERENCE_NAME], dtype=np.float32).reshape(-1)  # audio: [N]
+    if audio.size == 0:
+        raise InputError("reference_audio contains no samples. Send a recording of a few seconds of speech.")
+    if not np.isfinite(audio).all():
+        raise InputError("reference_audio contains NaN or infinite samples; send audio in [-1, 1].")
+    return audio, rate
+
+
+class TritonSpeech:
+    """What one Triton model instance runs: the engine plus the stored voices.
+
+    Args:
+        tts: a loaded ``CosyVoice`` (or anything with its ``synthesize``/``voice_from_wav``).
+        voices: a ``VoiceStore`` of the voices folder, or None when the repository has none.
+        max_text_chars: the longest text accepted, in characters.
+    """
+
+    def __init__(self, tts: Any, voices: Any | None, max_text_chars: int = DEFAULT_MAX_TEXT_CHARS):
+        self.tts = tts
+        self.voices = voices
+        self.max_text_chars = max_text_chars
+
+    def chunks(self, inputs: Mapping[str, np.ndarray]) -> tuple[SpeechInputs, Iterator[np.ndarray]]:
+        """Check a request and start it: (its inputs, a lazy iterator of float32 [N] audio chunks).
+
+        The text and voice are checked before this returns (``InputError``); the models run while the
+        iterator is consumed, and closing it stops them.
+        """
+        request = parse_inputs(inputs, self.max_text_chars)
+        voice = self._voice(request)
+        config = SynthesisConfig(stream=request.stream)
+        chunks = self.tts.synthesize(request.text, voice, request.seed, config)
+        return request, _samples(chunks)
+
+    def _voice(self, request: SpeechInputs) -> Voice:
+        if request.voice is None:
+            return self._voice_from_reference(request)
+        if self.voices is None:
+            raise InputError(
+                f"voice {request.voice!r}: this model repository has no voices folder. Write it with "
+                "`trt-cosy triton-repo --voices-dir DIR`, or send reference_audio instead."
+            )
+        return self._stored_voice(request.voice)
+
+    def _stored_voice(self, name: str) -> Voice:
+        from ..server.errors import APIError
+
+        for attempt in range(2):
+            try:
+                return self.voices.get(name).voice
+            except APIError:
+                if attempt == 0:
+                    self.voices.load()  # a voice saved into the folder since start
+        names = ", ".join(stored.name for stored in self.voices.list()) or "none"
+        raise InputError(
+            f"voice {name!r} is not in {self.voices.folder} (stored voices: {names}). Save one there with "
+            f"`trt-cosy voices save --ref ref.wav -o {self.voices.folder}/{name}.npz`."
+        )
+
+    def _voice_from_reference(self, request: SpeechInputs) -> Voice:
+        import soundfile
+
+        with tempfile.TemporaryDirectory(prefix="trt-cosy-triton-") as folder:
+            path = Path(folder) / "reference.wav"
+            soundfile.write(path, request.reference_audio, request.reference_sample_rate, subtype="FLOAT")
+            try:
+                return self.tts.voice_from_wav(path, request.reference_text)
+            except InputError as exc:  # too short, silent...: name the input, not the temp file
+                raise InputError(str(exc).replace(str(path), _REFERENCE_NAME)) from None
+
+
+def _samples(chunks: Iterator[Any]) -> Iterator[np.ndarray]:
+    try:
+        for chunk in chunks:
+            yield np.ascontiguousarray(chunk.samples, dtype=np.float32)  # samples: [N]
+    finally:
+        chunks.close()
