@@ -10,16 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = [
-    "TensorSpec",
-    "GraphSpec",
-    "GRAPHS",
-    "LLM",
-    "FLOW_ENCODER",
-    "FLOW_ESTIMATOR",
-    "FLOW_ESTIMATOR_STREAM",
-    "HIFT",
-]
+__all__ = ["TensorSpec", "GraphSpec", "GRAPHS", "LLM", "FLOW_ENCODER", "FLOW_ESTIMATOR",
+           "FLOW_ESTIMATOR_STREAM", "HIFT"]
 
 
 @dataclass(frozen=True)
