@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from trt_cosy.config import ModelConfig, release_family
-from trt_cosy.config_v1 import V1ModelConfig
-from trt_cosy.config_v3 import V3ModelConfig
+from trt_cosy.config import ModelConfig
 from trt_cosy.errors import ModelDirError
 from trt_cosy.hyperyaml import Tagged, load_hyperyaml
+from trt_cosy.models.registry import family_of_release, read_release_config
+from trt_cosy.models.v1.config import V1ModelConfig
+from trt_cosy.models.v3.config import V3ModelConfig
 
 
 def test_reads_golden_tiny_config(v2_tiny_dir: Path) -> None:
-    config = ModelConfig.from_release_dir(v2_tiny_dir)
+    config = read_release_config(v2_tiny_dir)
     assert config.family == "v2"
     assert config.sample_rate == 24000
     assert config.llm.qwen.hidden_size == 64 and config.llm.qwen.num_layers == 2
@@ -32,7 +33,7 @@ def test_reads_golden_tiny_config(v2_tiny_dir: Path) -> None:
 
 
 def test_config_round_trips_to_json(v2_tiny_dir: Path) -> None:
-    config = ModelConfig.from_release_dir(v2_tiny_dir)
+    config = read_release_config(v2_tiny_dir)
     assert json.loads(json.dumps(config.to_dict()))["llm"]["qwen"]["vocab_size"] == 2048
 
 
@@ -63,9 +64,9 @@ def test_bad_ref_names_file(tmp_path: Path) -> None:
 
 def test_missing_dir_and_yaml(tmp_path: Path) -> None:
     with pytest.raises(ModelDirError, match="does not exist"):
-        ModelConfig.from_release_dir(tmp_path / "nope")
+        read_release_config(tmp_path / "nope")
     with pytest.raises(ModelDirError, match="cosyvoice2.yaml") as info:
-        ModelConfig.from_release_dir(tmp_path)
+        read_release_config(tmp_path)
     assert "cosyvoice.yaml" in str(info.value) and "cosyvoice3.yaml" in str(info.value)
 
 
@@ -79,8 +80,8 @@ def test_missing_dir_and_yaml(tmp_path: Path) -> None:
 )
 def test_dispatches_by_yaml(name: str, family: str, kind: type, sample_rate: int) -> None:
     model_dir = Path(__file__).parent / "data" / name
-    assert release_family(model_dir) == family
-    config = ModelConfig.from_release_dir(model_dir)
+    assert family_of_release(model_dir).name == family
+    config = read_release_config(model_dir)
     assert type(config) is kind and config.family == family and config.sample_rate == sample_rate
     assert json.loads(json.dumps(config.to_dict()))["family"] == family
 
@@ -89,17 +90,17 @@ def test_yaml_order_is_the_official_one(tmp_path: Path, v2_tiny_dir: Path) -> No
     """AutoModel checks cosyvoice.yaml, then cosyvoice2.yaml, then cosyvoice3.yaml."""
     for name in ("cosyvoice3.yaml", "cosyvoice2.yaml", "cosyvoice.yaml"):
         (tmp_path / name).write_text("sample_rate: 1\n", encoding="utf-8")
-        assert release_family(tmp_path) == {"cosyvoice3.yaml": "v3", "cosyvoice2.yaml": "v2"}.get(name, "v1")
+        assert family_of_release(tmp_path).name == {"cosyvoice3.yaml": "v3", "cosyvoice2.yaml": "v2"}.get(name, "v1")
 
 
 def test_other_family_yaml_is_read_and_checked(tmp_path: Path) -> None:
     (tmp_path / "cosyvoice.yaml").write_text("sample_rate: 22050\n", encoding="utf-8")
     with pytest.raises(ModelDirError, match="cosyvoice.yaml.*TransformerLM"):
-        ModelConfig.from_release_dir(tmp_path)
+        read_release_config(tmp_path)
     (tmp_path / "cosyvoice.yaml").unlink()
     (tmp_path / "cosyvoice3.yaml").write_text("sample_rate: 24000\n", encoding="utf-8")
     with pytest.raises(ModelDirError, match="config.json is missing"):
-        ModelConfig.from_release_dir(tmp_path)
+        read_release_config(tmp_path)
 
 
 def test_malformed_yaml_and_qwen_config(tmp_path: Path, v2_tiny_dir: Path) -> None:
@@ -107,13 +108,13 @@ def test_malformed_yaml_and_qwen_config(tmp_path: Path, v2_tiny_dir: Path) -> No
     shutil.copytree(v2_tiny_dir, model, ignore=shutil.ignore_patterns("*.pt", "*.npz", "*.safetensors"))
     (model / "CosyVoice-BlankEN" / "config.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ModelDirError, match="config.json"):
-        ModelConfig.from_release_dir(model)
+        read_release_config(model)
     (model / "CosyVoice-BlankEN" / "config.json").unlink()
     with pytest.raises(ModelDirError, match="config.json is missing"):
-        ModelConfig.from_release_dir(model)
+        read_release_config(model)
     (model / "cosyvoice2.yaml").write_text("llm: [unclosed\n", encoding="utf-8")
     with pytest.raises(ModelDirError, match="not valid YAML"):
-        ModelConfig.from_release_dir(model)
+        read_release_config(model)
 
 
 def test_wrong_class_is_reported(tmp_path: Path, v2_tiny_dir: Path) -> None:
@@ -124,4 +125,4 @@ def test_wrong_class_is_reported(tmp_path: Path, v2_tiny_dir: Path) -> None:
         text.replace("llm.llm.Qwen2LM", "llm.llm.TransformerLM"), encoding="utf-8"
     )
     with pytest.raises(ModelDirError, match="Qwen2LM"):
-        ModelConfig.from_release_dir(model)
+        read_release_config(model)

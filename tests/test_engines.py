@@ -27,8 +27,8 @@ from trt_cosy.build import engines as build_module
 from trt_cosy.build.export import ExportResult, graph_export_plan
 from trt_cosy.build.noise import official_flow_noise
 from trt_cosy.build.reference import load_torch_model
-from trt_cosy.config import ModelConfig
 from trt_cosy.errors import EngineMismatchError, InputError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest, model_config_from_dict
@@ -69,7 +69,7 @@ def engines_copy(tiny, tmp_path) -> Path:
 
 
 def test_model_config_round_trips_through_json(v2_tiny_dir):
-    config = ModelConfig.from_release_dir(v2_tiny_dir)
+    config = read_release_config(v2_tiny_dir)
     again = model_config_from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config
     assert isinstance(again.hift.resblock_dilation_sizes[0], tuple) and again.flow.estimator.channels == (64,)
@@ -156,7 +156,7 @@ def _no_export(*args, **kwargs):
 def test_second_build_is_a_fast_skip(tiny, monkeypatch):
     release, engines = tiny
     before = (engines / "manifest.json").read_text()
-    monkeypatch.setattr(build_module, "export_model", _no_export)
+    monkeypatch.setattr(build_module, "export_family", _no_export)
     lines: list[str] = []
     start = time.perf_counter()
     assert build_module.build_engines(release, engines, progress=lines.append) == engines
@@ -167,7 +167,7 @@ def test_second_build_is_a_fast_skip(tiny, monkeypatch):
 
 
 def _copying_export(source: Path, calls: list[Path]):
-    """Stands in for export_model: copies the graphs of an earlier build (keeps --force tests fast)."""
+    """Stands in for export_family: copies the graphs of an earlier build (keeps --force tests fast)."""
 
     def export(model, out_dir, progress=None):
         calls.append(out_dir)
@@ -184,7 +184,7 @@ def _copying_export(source: Path, calls: list[Path]):
 def test_force_rebuilds_and_swaps_atomically(tiny, engines_copy, monkeypatch):
     release, engines = tiny
     calls: list[Path] = []
-    monkeypatch.setattr(build_module, "export_model", _copying_export(engines, calls))
+    monkeypatch.setattr(build_module, "export_family", _copying_export(engines, calls))
     (engines_copy / "stale-extra.txt").write_text("from an older build")
     build_module.build_engines(release, engines_copy, force=True)
     assert len(calls) == 1 and calls[0] != engines_copy, "export must write into a staging directory"
@@ -202,7 +202,7 @@ def test_failed_build_keeps_old_engines(tiny, engines_copy, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("export exploded")
 
-    monkeypatch.setattr(build_module, "export_model", broken)
+    monkeypatch.setattr(build_module, "export_family", broken)
     with pytest.raises(RuntimeError, match="exploded"):
         build_module.build_engines(release, engines_copy, force=True)
     assert (engines_copy / "manifest.json").read_text() == before

@@ -20,17 +20,17 @@ from test_flow_step import CFG_RATE, MELS, _host_solve, _inputs, _NumpyEstimator
 from trt_fakes import FAKE_TRT, FakeContext, FakeEngine, aligned_block
 
 from trt_cosy.config import ModelConfig
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import cuda
 from trt_cosy.runtime.euler import (
     FLOW_STEP,
     TIME_STRIDE,
     DeviceEulerLoop,
     guidance_feed,
-    step_profiles,
     step_schedule,
 )
 from trt_cosy.runtime.graphs import FLOW_ESTIMATOR
-from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, default_profiles
+from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, default_profiles, step_profiles
 from trt_cosy.runtime.trt import TrtRunner
 from trt_cosy.stages.flow import cosine_t_span
 
@@ -178,7 +178,7 @@ def step_runner(fake_cuda):
 
 
 def test_step_profiles_keep_the_estimator_ranges(v2_tiny_dir):
-    estimator = default_profiles(ModelConfig.from_release_dir(v2_tiny_dir))["flow_estimator"]
+    estimator = default_profiles(read_release_config(v2_tiny_dir))["flow_estimator"]
     step = step_profiles(estimator, "flow_step")
     step.check_spec(FLOW_STEP)
     assert [p.name for p in step.profiles] == [p.name for p in estimator.profiles]
@@ -326,7 +326,7 @@ def test_device_loop_on_a_gpu(monkeypatch):
 
 
 def _tiny_config() -> ModelConfig:
-    return ModelConfig.from_release_dir(Path(__file__).parent / "data" / "cosyvoice2-tiny")
+    return read_release_config(Path(__file__).parent / "data" / "cosyvoice2-tiny")
 
 
 # -- FlowStage on the device loop ------------------------------------------------------------------------

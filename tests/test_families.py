@@ -9,68 +9,27 @@ Runtime engines are in tests/test_families_e2e.py.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _support import require_build_extra
 
 # Shared helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
-from test_tts import REF_TEXT, reference_wavs
+from _support import INSTRUCT, REF_TEXT, family_release, reference_wavs
 
 from trt_cosy import CosyVoice, EngineConfig, InputError, SynthesisConfig, Voice, families
-from trt_cosy.config import QWEN_DIR, ModelConfig
+from trt_cosy.config import QWEN_DIR
 from trt_cosy.frontend.text import TextNormalizer
+from trt_cosy.models.registry import read_release_config
+from trt_cosy.models.v1.stages import stream_token_chunks
 from trt_cosy.pipeline_families import V1Request, V1Schedule, V3Request
 from trt_cosy.runtime.manifest import hash_checkpoint, model_config_from_dict
 from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.stages.llm import LLMStage
-from trt_cosy.stages.v1 import stream_token_chunks
 from trt_cosy.streaming import ChunkPlan
 from trt_cosy.tts import model_id_from_checkpoint
 
 DATA = Path(__file__).parent / "data"
-GOLDEN = {"v1": DATA / "cosyvoice1-tiny", "v3": DATA / "cosyvoice3-tiny"}
-# What the golden checkpoints lack for synthesis, taken from a make-test-model release of the family.
-_EXTRAS = {
-    "v1": ("multilingual.tiktoken", "campplus.onnx", "speech_tokenizer_v1.onnx"),
-    "v3": (
-        "campplus.onnx",
-        "speech_tokenizer_v3.onnx",
-        f"{QWEN_DIR}/vocab.json",
-        f"{QWEN_DIR}/merges.txt",
-        f"{QWEN_DIR}/tokenizer_config.json",
-    ),
-}
-INSTRUCT = "Speak slowly and warmly."
-
-
-def family_release(factory: pytest.TempPathFactory, family: str) -> Path:
-    """The golden tiny checkpoint of ``family`` plus a test tokenizer and stand-in frontend models.
-
-    Built once per session in the pytest base temp (the e2e tests build their engines from it and
-    verify them against the golden reference with it as ``--model-dir``).
-    """
-    require_build_extra()
-    from trt_cosy.build.testmodel import make_test_model
-
-    base = factory.getbasetemp()
-    release = base / f"{family}-tiny-release"
-    if not release.is_dir():
-        extras = make_test_model(
-            base / f"{family}-tiny-extras", size="tiny", seed=0, overwrite=True, family=family
-        )
-        staging = base / f"{family}-tiny-release.partial"
-        shutil.copytree(
-            GOLDEN[family], staging, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json")
-        )
-        for name in _EXTRAS[family]:
-            shutil.copy2(extras / name, staging / name)
-        staging.rename(release)
-    return release
-
-
 def make_family_tts(release: Path) -> CosyVoice:
     """CosyVoice on the torch reference model of ``release`` (fast; used where nothing is synthesised)."""
     from trt_cosy.build.reference import load_torch_model
@@ -300,7 +259,7 @@ def test_instruct_text_markers(family, instruct, expected):
 def test_model_config_and_checkpoint_hashes_follow_the_family(tmp_path_factory):
     for family in ("v1", "v3"):
         release = family_release(tmp_path_factory, family)
-        config = ModelConfig.from_release_dir(release)
+        config = read_release_config(release)
         again = model_config_from_dict(json.loads(json.dumps(config.to_dict())))
         assert type(again) is type(config) and again == config
         names = list(hash_checkpoint(release))

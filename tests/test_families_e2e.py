@@ -14,10 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-from _support import require_build_extra
+from _support import GOLDEN, INSTRUCT, REF_TEXT, family_engines, family_release, reference_wavs
 from click.testing import CliRunner
-from test_families import GOLDEN, INSTRUCT, family_release
-from test_tts import REF_TEXT, reference_wavs
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
 from trt_cosy.cli import main
@@ -26,14 +24,6 @@ from trt_cosy.pipeline_families import V1Request
 from trt_cosy.streaming import HopSchedule
 
 pytestmark = pytest.mark.slow
-
-
-def family_engines(factory: pytest.TempPathFactory, family: str) -> Path:
-    """ONNX Runtime engines of ``family_release``, built once per session (later calls are manifest skips)."""
-    require_build_extra()
-    from trt_cosy.build.engines import build_engines
-
-    return build_engines(family_release(factory, family), factory.getbasetemp() / f"{family}-tiny-engines")
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from trt_cosy.build.modules.flow import EstimatorGraph, FlowEncoderGraph, load_f
 from trt_cosy.build.modules.flow_encoder import rel_position_table
 from trt_cosy.build.noise import official_flow_noise
 from trt_cosy.build.torch_runner import TorchRunner
-from trt_cosy.config import ModelConfig
 from trt_cosy.errors import InputError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime.graphs import FLOW_ENCODER, FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, GraphSpec
 from trt_cosy.stages.flow import FlowStage, cosine_t_span
 
@@ -38,7 +38,7 @@ CHUNKS = [
 
 @pytest.fixture(scope="module")
 def flow_config(v2_tiny_dir):
-    return ModelConfig.from_release_dir(v2_tiny_dir).flow
+    return read_release_config(v2_tiny_dir).flow
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from _support import require_build_extra
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import TrtCosyError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime.euler import FLOW_STEP, guidance_feed, step_schedule
 from trt_cosy.runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM
 from trt_cosy.runtime.ort import OrtRunner
@@ -201,7 +202,7 @@ def test_wrap_refuses_a_graph_that_is_not_an_estimator():
 
 @pytest.fixture(scope="module")
 def model_config(v2_tiny_dir) -> ModelConfig:
-    return ModelConfig.from_release_dir(v2_tiny_dir)
+    return read_release_config(v2_tiny_dir)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from trt_cosy.build.checkpoint import fold_weight_norm
 from trt_cosy.build.modules.hift import HiFTGenerator, HiFTGraph, load_hift
 from trt_cosy.build.modules.hift_source import ConvISTFT, ConvSTFT, periodic_hann, upsample_linear
 from trt_cosy.build.torch_runner import TorchRunner
-from trt_cosy.config import ModelConfig
 from trt_cosy.errors import InputError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime.graphs import HIFT
 from trt_cosy.stages.vocoder import VocoderCache, VocoderStage, fade_in_out, sine_noise
 
@@ -34,7 +34,7 @@ SCENARIOS = ["nonstream", "stream", "streampad"]
 
 @pytest.fixture(scope="module")
 def hift(v2_tiny_dir) -> HiFTGenerator:
-    config = ModelConfig.from_release_dir(v2_tiny_dir)
+    config = read_release_config(v2_tiny_dir)
     return load_hift(v2_tiny_dir, config.hift)
 
 
@@ -81,7 +81,7 @@ def test_hift_chunk(hift, v2_reference, chunk):
 def test_vocoder_stage_streaming(hift, v2_reference, v2_tiny_dir, scenario):
     """Golden hift_mel chunks through VocoderStage's cache logic reproduce the official audio."""
     ref = v2_reference
-    config = ModelConfig.from_release_dir(v2_tiny_dir).hift
+    config = read_release_config(v2_tiny_dir).hift
     stage = VocoderStage(TorchRunner(HIFT, HiFTGraph(hift)), config)
     n_chunks = json.loads(str(ref["meta_json"]))[scenario]["n_chunks"]
     cache = VocoderCache()
@@ -105,7 +105,7 @@ def test_vocoder_stage_streaming(hift, v2_reference, v2_tiny_dir, scenario):
 
 
 def test_vocoder_stage_rng_and_errors(hift, v2_tiny_dir):
-    config = ModelConfig.from_release_dir(v2_tiny_dir).hift
+    config = read_release_config(v2_tiny_dir).hift
     stage = VocoderStage(TorchRunner(HIFT, HiFTGraph(hift)), config)
     mel = np.full((1, 80, 20), -5.0, dtype=np.float32)
     cache = VocoderCache()

@@ -14,8 +14,9 @@ import torch
 
 from trt_cosy.build.modules.llm import LLMGraph, embedding_tables, load_llm
 from trt_cosy.build.torch_runner import TorchRunner
-from trt_cosy.config import LLMConfig, ModelConfig
+from trt_cosy.config import LLMConfig
 from trt_cosy.errors import InputError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime.graphs import LLM
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.stages.sampling import RASSampler, greedy_sample, nucleus_sample
@@ -27,7 +28,7 @@ NUM_FORCED = 8
 
 @pytest.fixture(scope="module")
 def config(v2_tiny_dir: Path) -> LLMConfig:
-    return ModelConfig.from_release_dir(v2_tiny_dir).llm
+    return read_release_config(v2_tiny_dir).llm
 
 
 @pytest.fixture(scope="module")

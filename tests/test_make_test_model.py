@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from trt_cosy.cli import main
-from trt_cosy.config import ModelConfig
 from trt_cosy.errors import InputError
+from trt_cosy.models.registry import read_release_config
 
 torch = pytest.importorskip("torch", reason="make-test-model needs the [build] extra")
 
@@ -52,7 +52,7 @@ def test_layout_and_config(tiny_model: Path, v2_tiny_dir: Path) -> None:
         "CosyVoice-BlankEN/tokenizer_config.json",
     ):
         assert (tiny_model / name).is_file(), name
-    assert ModelConfig.from_release_dir(tiny_model) == ModelConfig.from_release_dir(v2_tiny_dir)
+    assert read_release_config(tiny_model) == read_release_config(v2_tiny_dir)
     llm = torch.load(tiny_model / "llm.pt", weights_only=True)
     assert llm["llm.model.lm_head.weight"].data_ptr() == llm["llm.model.model.embed_tokens.weight"].data_ptr()
 
@@ -168,9 +168,9 @@ def test_v1_v3_layout_and_config(family_models: dict[str, Path], family: str) ->
     model = family_models[family]
     for name in _LAYOUTS[family]:
         assert (model / name).is_file(), name
-    config = ModelConfig.from_release_dir(model)
+    config = read_release_config(model)
     assert config.family == family
-    assert config == ModelConfig.from_release_dir(GOLDEN[family])
+    assert config == read_release_config(GOLDEN[family])
     if family == "v3":
         llm = torch.load(model / "llm.pt", weights_only=True)
         assert (
@@ -191,10 +191,10 @@ def test_v1_preset_speakers_in_the_official_format(family_models: dict[str, Path
 
 
 def test_v1_tokenizer_reads_the_ranks_file(family_models: dict[str, Path]) -> None:
-    from trt_cosy.frontend.tokenizer_v1 import WhisperTextTokenizer
+    from trt_cosy.models.v1.tokenizer import WhisperTextTokenizer
 
     tokenizer = WhisperTextTokenizer(family_models["v1"])  # multilingual.tiktoken in the release dir
-    text_vocab = ModelConfig.from_release_dir(family_models["v1"]).llm.text_token_size
+    text_vocab = read_release_config(family_models["v1"]).llm.text_token_size
     assert len(tokenizer) <= text_vocab
     ids = tokenizer.encode("<|en|>Hello, this is a test. 你好，今天天气很好。<|endoftext|>")
     assert max(ids) < text_vocab and tokenizer.token_id("<|en|>") in ids

@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from trt_cosy.build.ort_passes import EQUIVALENCE_TOLERANCE, GRAPH_REWRITES, check_equivalent, rewrite_model
 from trt_cosy.build.ort_rewrites import fuse_attention, fuse_gelu, rewrite_mish
 from trt_cosy.errors import BuildError
+from trt_cosy.models.registry import read_release_config
 
 B, T, HEADS, HEAD_DIM = 2, 37, 4, 8
 WIDTH = HEADS * HEAD_DIM
@@ -188,10 +189,9 @@ def test_rewrite_model_notes_dropped_key_padding_in_the_graph():
 def test_the_built_estimators_are_fused(tmp_path_factory, v2_tiny_dir: Path):
     from _support import shared_tiny_engines
 
-    from trt_cosy.config import ModelConfig
 
     _, engines = shared_tiny_engines(tmp_path_factory, v2_tiny_dir)
-    estimator = ModelConfig.from_release_dir(v2_tiny_dir).flow.estimator
+    estimator = read_release_config(v2_tiny_dir).flow.estimator
     blocks = (2 + estimator.num_mid_blocks) * estimator.n_blocks  # down, mid blocks, up
     for name, inputs in (("flow_estimator", 3), ("flow_estimator_stream", 6)):
         model = onnx.load(str(engines / f"{name}.onnx"), load_external_data=False)
@@ -200,7 +200,7 @@ def test_the_built_estimators_are_fused(tmp_path_factory, v2_tiny_dir: Path):
         assert all(len(n.input) == inputs for n in fused), f"{name}: wrong attention inputs"
         assert {"Softmax", "Mish", "Erf"}.isdisjoint(_ops(model)), f"{name}: unfused ops left"
     llm = onnx.load(str(engines / "llm.onnx"), load_external_data=False)
-    layers = ModelConfig.from_release_dir(v2_tiny_dir).llm.qwen.num_layers
+    layers = read_release_config(v2_tiny_dir).llm.qwen.num_layers
     assert _ops(llm).count("GroupQueryAttention") == layers, "every Qwen2 layer's attention is fused"
     assert {"Softmax", "Where", "Neg"}.isdisjoint(_ops(llm)), "unfused attention or rotary ops left"
     assert _ops(llm).count("Cos") == 1, "one rotary table for all layers"

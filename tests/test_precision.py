@@ -25,6 +25,7 @@ from trt_cosy.build.precision import (
     to_fp16_graph,
 )
 from trt_cosy.errors import MissingDependencyError, TrtCosyError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime.ort import OrtRunner
 
 RNG = np.random.default_rng(0)
@@ -229,10 +230,9 @@ def _golden_feeds(reference, config) -> dict[str, list[dict[str, np.ndarray]]]:
 
 @pytest.mark.slow
 def test_fp16_graphs_track_fp32_on_golden_inputs(tiny_fp16, v2_reference):
-    from trt_cosy.config import ModelConfig
 
     release, work = tiny_fp16
-    feeds = _golden_feeds(v2_reference, ModelConfig.from_release_dir(release))
+    feeds = _golden_feeds(v2_reference, read_release_config(release))
     measured = {}
     for name, graph_feeds in feeds.items():
         report = to_fp16_graph(work / f"{name}.onnx", work / f"{name}.golden16.onnx")
@@ -247,12 +247,11 @@ def test_fp16_graphs_track_fp32_on_golden_inputs(tiny_fp16, v2_reference):
 @pytest.mark.slow
 def test_onnx_only_writes_fp16_graphs_profiles_and_summary(tiny_fp16, tmp_path):
     from trt_cosy.build.tensorrt import build_plans, prepare_trt_graphs
-    from trt_cosy.config import ModelConfig
     from trt_cosy.runtime.manifest import hash_checkpoint
     from trt_cosy.runtime.profiles import read_profiles
 
     release, work = tiny_fp16
-    config = ModelConfig.from_release_dir(release)
+    config = read_release_config(release)
     summary = prepare_trt_graphs(work, config, hash_checkpoint(release), "fp16")
     assert json.loads((work / "tensorrt.json").read_text()) == summary
     assert set(read_profiles(work / "profiles.json")) == set(summary["graphs"])

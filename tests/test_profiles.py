@@ -7,6 +7,7 @@ import pytest
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import EngineMismatchError, InputError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.profiles import (
     GraphProfiles,
@@ -22,7 +23,7 @@ from trt_cosy.runtime.profiles import (
 
 @pytest.fixture(scope="module")
 def config(v2_tiny_dir) -> ModelConfig:
-    return ModelConfig.from_release_dir(v2_tiny_dir)
+    return read_release_config(v2_tiny_dir)
 
 
 @pytest.fixture(scope="module")

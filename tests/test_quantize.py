@@ -28,8 +28,8 @@ from trt_cosy.build.quantize import (
     quantize_matmul_int8,
     quantize_weights_nbits,
 )
-from trt_cosy.config import ModelConfig
 from trt_cosy.errors import InputError
+from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.ort import OrtKVDecoder, OrtRunner
 from trt_cosy.stages.llm import LLMStage
@@ -41,7 +41,7 @@ PREFILL_LEN = 43  # [sos, 16 text, task, 25 prompt speech]
 @pytest.fixture(scope="module")
 def tiny_llm(v2_tiny_dir, tmp_path_factory) -> tuple[Path, LLMStage]:
     """(fp32 llm.onnx, an LLMStage over it on ORT)."""
-    config = ModelConfig.from_release_dir(v2_tiny_dir)
+    config = read_release_config(v2_tiny_dir)
     model = load_llm(v2_tiny_dir, config.llm)
     plan = graph_export_plan(graphs.LLM.name, config)
     path = tmp_path_factory.mktemp("quantize") / "llm.onnx"

@@ -24,9 +24,8 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 import soundfile
+from _support import GOLDEN, family_engines
 from click.testing import CliRunner
-from test_families import GOLDEN
-from test_families_e2e import family_engines
 
 from trt_cosy.bench.quality import THRESHOLDS, QualityInputs, quality_guard
 from trt_cosy.build.family_engines import check_family_options

@@ -20,7 +20,9 @@ from onnx import TensorProto, helper
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import EngineMismatchError, InputError, MissingDependencyError, TrtCosyError
-from trt_cosy.runtime import graphs_v1, graphs_v3
+from trt_cosy.models.registry import read_release_config
+from trt_cosy.models.v1 import graphs as graphs_v1
+from trt_cosy.models.v3 import graphs as graphs_v3
 from trt_cosy.runtime.cuda import gpu_unavailable_reason
 from trt_cosy.runtime.profiles import default_profiles, read_profiles, trt_graph_specs
 
@@ -52,7 +54,7 @@ BOUNDS = {
 
 @pytest.fixture(scope="module")
 def configs() -> dict[str, ModelConfig]:
-    return {family: ModelConfig.from_release_dir(path) for family, path in RELEASES.items()}
+    return {family: read_release_config(path) for family, path in RELEASES.items()}
 
 
 # -- profiles (fast) --------------------------------------------------------------------------------
@@ -143,7 +145,7 @@ def test_v3_profile_selection_for_typical_shapes(configs):
 
 def test_v1_source_phase_is_float32_and_matches_the_official_rounding():
     torch = pytest.importorskip("torch")
-    from trt_cosy.build.modules.v1_hift import SineGenSource
+    from trt_cosy.build.models.v1.hift import SineGenSource
 
     source = SineGenSource(22050, 8, 0.1, 0.003, 10.0, 256)
     generator = torch.Generator().manual_seed(0)
@@ -247,7 +249,7 @@ def _empty_cache(dims: tuple[int, int, int]) -> np.ndarray:
 
 
 def _v1_feeds(engines: Path, config) -> dict[str, list[dict[str, np.ndarray]]]:
-    from trt_cosy.stages.v1 import regulator_indices
+    from trt_cosy.models.v1.stages import regulator_indices
 
     golden = _golden("v1")
     lm = config.llm.llm

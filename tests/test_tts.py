@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-from _support import tiny_engines, tiny_release
+from _support import REF_TEXT, reference_wavs, tiny_engines, tiny_release
 
 from trt_cosy import (
     CosyVoice,
@@ -39,22 +39,6 @@ from trt_cosy.synthesis import llm_prompt, plan_segments, segment_token_limit
 from trt_cosy.tts import model_id_from_checkpoint
 
 FEATURES_AUDIO = Path(__file__).parent / "data" / "features" / "audio"
-REF_TEXT = "Hello, this is me."
-
-
-def reference_wavs(folder: Path) -> dict[str, Path]:
-    """A 1.5 s speech reference (few prompt tokens keep the flow fast) and the bad references."""
-    speech, rate = soundfile.read(FEATURES_AUDIO / "en_16k_mono.wav", dtype="float32")
-    paths = {name: folder / f"{name}.wav" for name in ("ref", "short", "long", "silent")}
-    soundfile.write(paths["ref"], speech[rate // 2 : 2 * rate], rate)
-    soundfile.write(paths["short"], speech[: rate // 2], rate)
-    soundfile.write(paths["long"], np.tile(speech, 8), rate)  # ~35 s
-    soundfile.write(paths["silent"], np.zeros(2 * rate, np.float32), rate)
-    paths["unreadable"] = folder / "unreadable.wav"
-    paths["unreadable"].write_text("not audio", encoding="utf-8")
-    return paths
-
-
 @pytest.fixture(scope="module")
 def wavs(tmp_path_factory) -> dict[str, Path]:
     return reference_wavs(tmp_path_factory.mktemp("wavs"))

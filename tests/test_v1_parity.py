@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trt_cosy.config_v1 import v1_config_from_release_dir
 from trt_cosy.errors import ModelDirError
-from trt_cosy.runtime import graphs_v1
-from trt_cosy.stages.sampling import greedy_sample
-from trt_cosy.stages.v1 import (
+from trt_cosy.models.v1 import graphs as graphs_v1
+from trt_cosy.models.v1.config import v1_config_from_release_dir
+from trt_cosy.models.v1.stages import (
     V1FlowStage,
     V1LLMStage,
     V1StreamState,
@@ -28,6 +27,7 @@ from trt_cosy.stages.v1 import (
     load_speakers,
     stream_token_chunks,
 )
+from trt_cosy.stages.sampling import greedy_sample
 
 V1_TINY = Path(__file__).parent / "data" / "cosyvoice1-tiny"
 _RUNS = ("nonstream", "sft", "stream")
@@ -47,7 +47,7 @@ def golden() -> dict:
 @pytest.fixture(scope="module")
 def model():
     torch = pytest.importorskip("torch")
-    from trt_cosy.build.reference_v1 import load_torch_model_v1
+    from trt_cosy.build.models.v1.reference import load_torch_model_v1
 
     torch.set_num_threads(1)
     return load_torch_model_v1(V1_TINY)
@@ -358,7 +358,7 @@ def _write_ranks(path: Path) -> None:
 
 def test_tokenizer_v1_with_generated_ranks(tmp_path):
     pytest.importorskip("tiktoken")
-    from trt_cosy.frontend.tokenizer_v1 import WhisperTextTokenizer
+    from trt_cosy.models.v1.tokenizer import WhisperTextTokenizer
 
     _write_ranks(tmp_path / "multilingual.tiktoken")
     tokenizer = WhisperTextTokenizer(tmp_path)  # a directory holding multilingual.tiktoken
@@ -380,7 +380,7 @@ def test_tokenizer_v1_with_generated_ranks(tmp_path):
 def test_onnx_export_matches_torch(model, tmp_path, name):
     pytest.importorskip("onnxruntime")
     from trt_cosy.build.export import export_graph
-    from trt_cosy.build.reference_v1 import export_plans_v1
+    from trt_cosy.build.models.v1.reference import export_plans_v1
 
     plan = export_plans_v1(model.config)[name]
     tolerance = 1e-3 if name == graphs_v1.V1_HIFT.name else 1e-4

@@ -16,17 +16,22 @@ import pytest
 
 pytest.importorskip("torch", reason="needs the [build] extra (torch)")
 
-from trt_cosy.build.modules.causal_hift import CausalHiFTGraph
-from trt_cosy.build.reference_v3 import load_torch_model_v3
+from trt_cosy.build.models.v3.causal_hift import CausalHiFTGraph
+from trt_cosy.build.models.v3.reference import load_torch_model_v3
 from trt_cosy.build.torch_runner import TorchRunner
-from trt_cosy.config_v3 import V3ModelConfig, v3_config_from_release_dir
 from trt_cosy.errors import InputError
-from trt_cosy.runtime import graphs_v3
+from trt_cosy.models.v3 import graphs as graphs_v3
+from trt_cosy.models.v3.config import V3ModelConfig, v3_config_from_release_dir
+from trt_cosy.models.v3.stages import (
+    V3VocoderCache,
+    V3VocoderStage,
+    cached_step_outputs,
+    filter_silent_tokens,
+)
 from trt_cosy.runtime.base import Runner
 from trt_cosy.stages.flow import FlowOutput, FlowStage
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.stages.sampling import greedy_sample
-from trt_cosy.stages.v3 import V3VocoderCache, V3VocoderStage, cached_step_outputs, filter_silent_tokens
 
 V3_TINY = Path(__file__).parent / "data" / "cosyvoice3-tiny"
 
@@ -80,7 +85,7 @@ def test_config_v3_numbers():
     assert isinstance(config, V3ModelConfig) and config.family == "v3"
     assert config.llm.speech_vocab_size == 6761 and config.llm.stop_tokens == tuple(range(6561, 6761))
     assert (config.sos_token, config.real_eos_token, config.task_token) == (6561, 6562, 6563)
-    assert config.llm.eos_token == 6561  # the id the official ignore_eos masks (see stages.v3)
+    assert config.llm.eos_token == 6561  # the id the official ignore_eos masks (see models.v3.stages)
     dit = config.flow.estimator
     assert (dit.dim, dit.depth, dit.heads, dit.dim_head, dit.in_channels) == (64, 2, 4, 16, 320)
     assert config.flow.encoder.channels == 64 and config.flow.encoder.pre_lookahead_len == 3
@@ -301,7 +306,7 @@ def test_one_shot_render_equals_vocode(model, ref):
 def test_v3_graph_exports_to_onnx(model, tmp_path, name):
     """Dynamo export + ONNX Runtime vs torch at the sample length and two more (``export_graph`` raises)."""
     from trt_cosy.build.export import export_graph
-    from trt_cosy.build.export_v3 import V3_TOLERANCES, v3_graph_export_plan
+    from trt_cosy.build.models.v3.export import V3_TOLERANCES, v3_graph_export_plan
 
     plan = v3_graph_export_plan(name, model.config)
     assert len(plan.parity) >= 2

@@ -1,9 +1,9 @@
 """Model configuration read from an official release directory (yaml + Qwen config.json).
 
-Only numbers live here; nothing is instantiated. ``ModelConfig.from_release_dir`` is the one
-entry point for every family: it picks the reader by the release's yaml (``release_family``;
-CosyVoice 1 and 3 are read by ``config_v1`` / ``config_v3``). Every field mirrors a value of the
-official yaml (see docs/cosyvoice-spec §1.3).
+Only numbers live here; nothing is instantiated. These are the CosyVoice2 dataclasses and the yaml
+helpers every family's reader shares; each family reads its own release (``trt_cosy.models.<name>.config``)
+and ``trt_cosy.models.read_release_config`` picks the reader by the release's yaml. Every field
+mirrors a value of the official yaml (see docs/cosyvoice-spec §1.3).
 """
 
 from __future__ import annotations
@@ -13,16 +13,12 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from .errors import ModelDirError
-from .hyperyaml import Tagged, find_tagged, load_hyperyaml
-
-if TYPE_CHECKING:
-    from .config_v1 import V1ModelConfig
+from .hyperyaml import Tagged, find_tagged
 
 __all__ = [
-    "release_family",
     "QwenConfig",
     "LLMConfig",
     "FlowEncoderConfig",
@@ -215,7 +211,7 @@ class MelConfig:
 class ModelConfig:
     """Everything inference needs from a release directory."""
 
-    family: str  # "v2"; "v3" for config_v3.V3ModelConfig (v1 has its own config_v1.V1ModelConfig)
+    family: str  # "v2"; "v3" for models.v3.config.V3ModelConfig (v1 has its own V1ModelConfig)
     sample_rate: int
     token_frame_rate: int
     token_mel_ratio: int
@@ -227,50 +223,6 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_release_dir(cls, model_dir: Path) -> ModelConfig | V1ModelConfig:
-        """Read a release directory of any family, chosen by its yaml (``release_family``).
-
-        CosyVoice2 gives a ``ModelConfig``, CosyVoice3 a ``config_v3.V3ModelConfig`` (a subclass),
-        CosyVoice 1 a ``config_v1.V1ModelConfig``; check ``.family`` before using family-specific fields.
-        """
-        model_dir = Path(model_dir)
-        family = release_family(model_dir)
-        if family == "v1":
-            from .config_v1 import v1_config_from_release_dir  # config_v1 imports this module
-
-            return v1_config_from_release_dir(model_dir)
-        if family == "v3":
-            from .config_v3 import v3_config_from_release_dir  # config_v3 imports this module
-
-            return v3_config_from_release_dir(model_dir)
-        yaml_path = model_dir / YAML_BY_FAMILY["v2"]
-        doc = load_hyperyaml(yaml_path, {"qwen_pretrain_path": str(model_dir / QWEN_DIR)})
-        qwen = QwenConfig.from_json(model_dir / QWEN_DIR / "config.json")
-        return _v2_from_yaml(doc, qwen, yaml_path)
-
-
-def release_family(model_dir: Path) -> str:
-    """``"v1"``, ``"v2"`` or ``"v3"``: which official yaml the release directory holds.
-
-    Checked in the official ``AutoModel`` order (``cosyvoice.yaml``, ``cosyvoice2.yaml``,
-    ``cosyvoice3.yaml``); raises ``ModelDirError`` for a missing directory or one with no yaml.
-    """
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelDirError(
-            f"model directory {model_dir} does not exist. Pass the folder of an official release "
-            "(e.g. CosyVoice2-0.5B downloaded with `trt-cosy download`)."
-        )
-    for family in ("v1", "v2", "v3"):
-        if (model_dir / YAML_BY_FAMILY[family]).is_file():
-            return family
-    raise ModelDirError(
-        f"{model_dir} has no {YAML_BY_FAMILY['v2']}; expected an official CosyVoice2 release "
-        f"directory (cosyvoice2.yaml, llm.pt, flow.pt, hift.pt, {QWEN_DIR}/), or a CosyVoice 1 "
-        f"({YAML_BY_FAMILY['v1']}) or CosyVoice3 ({YAML_BY_FAMILY['v3']}) one."
-    )
 
 
 def yaml_node(
@@ -293,83 +245,6 @@ def yaml_child(parent: Tagged, key: str, class_name: str, source: Path) -> Tagge
     if node is None:
         raise ModelDirError(f"{source}: {parent.class_name}.{key} should be a {class_name}.")
     return node
-
-
-def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelConfig:
-    try:
-        llm = yaml_node(doc, "llm", "Qwen2LM", source)
-        flow = yaml_node(doc, "flow", "CausalMaskedDiffWithXvec", source)
-        hift = yaml_node(doc, "hift", "HiFTGenerator", source)
-        encoder = yaml_child(flow, "encoder", "UpsampleConformerEncoder", source)
-        cfm = yaml_child(flow, "decoder", "CausalConditionalCFM", source)
-        estimator = yaml_child(cfm, "estimator", "CausalConditionalDecoder", source)
-        f0 = yaml_child(hift, "f0_predictor", "ConvRNNF0Predictor", source)
-        sampling = llm.get("sampling")
-        sampling_kwargs = sampling.kwargs if isinstance(sampling, Tagged) else {}
-        cfm_params = cfm.get("cfm_params")
-        cfm_values = cfm_params.kwargs.get("content", {}) if isinstance(cfm_params, Tagged) else {}
-        token_mel_ratio = int(doc.get("token_mel_ratio", flow.get("token_mel_ratio", 2)))
-        llm_config = LLMConfig(
-            qwen=qwen,
-            llm_input_size=int(llm["llm_input_size"]),
-            speech_token_size=int(llm.get("speech_token_size", 6561)),
-            top_p=float(sampling_kwargs.get("top_p", 0.8)),
-            top_k=int(sampling_kwargs.get("top_k", 25)),
-            win_size=int(sampling_kwargs.get("win_size", 10)),
-            tau_r=float(sampling_kwargs.get("tau_r", 0.1)),
-        )
-        if llm_config.llm_input_size != qwen.hidden_size:
-            raise ModelDirError(
-                f"{source}: llm_input_size {llm_config.llm_input_size} differs from the Qwen2 "
-                f"hidden_size {qwen.hidden_size} in {QWEN_DIR}/config.json; the files do not belong together."
-            )
-        flow_config = FlowConfig(
-            vocab_size=int(flow["vocab_size"]),
-            input_size=int(flow["input_size"]),
-            output_size=int(flow["output_size"]),
-            spk_embed_dim=int(flow["spk_embed_dim"]),
-            token_mel_ratio=token_mel_ratio,
-            encoder=FlowEncoderConfig(
-                input_size=int(encoder["input_size"]),
-                output_size=int(encoder["output_size"]),
-                attention_heads=int(encoder["attention_heads"]),
-                linear_units=int(encoder["linear_units"]),
-                num_blocks=int(encoder["num_blocks"]),
-                static_chunk_size=int(encoder.get("static_chunk_size", 25)),
-                pre_lookahead_len=int(flow.get("pre_lookahead_len", 3)),
-            ),
-            estimator=EstimatorConfig(
-                in_channels=int(estimator["in_channels"]),
-                out_channels=int(estimator["out_channels"]),
-                channels=tuple(int(c) for c in estimator["channels"]),
-                attention_head_dim=int(estimator["attention_head_dim"]),
-                n_blocks=int(estimator["n_blocks"]),
-                num_mid_blocks=int(estimator["num_mid_blocks"]),
-                num_heads=int(estimator["num_heads"]),
-                static_chunk_size=int(estimator.get("static_chunk_size", 50)),
-            ),
-            cfm=CFMConfig(
-                inference_cfg_rate=float(cfm_values.get("inference_cfg_rate", 0.7)),
-                t_scheduler=str(cfm_values.get("t_scheduler", "cosine")),
-            ),
-        )
-        hift_config = HiFTConfig(**hift_fields(hift, f0, default_rate=24000))
-        mel_config = _mel_config(doc)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelDirError(
-            f"{source}: a required value is missing or mistyped ({exc!r}). Re-download the release."
-        ) from exc
-    return ModelConfig(
-        family="v2",
-        sample_rate=int(doc.get("sample_rate", 24000)),
-        token_frame_rate=int(doc.get("token_frame_rate", 25)),
-        token_mel_ratio=token_mel_ratio,
-        chunk_size=int(doc.get("chunk_size", 25)),
-        llm=llm_config,
-        flow=flow_config,
-        hift=hift_config,
-        mel=mel_config,
-    )
 
 
 def hift_fields(hift: Tagged, f0: Tagged, default_rate: int) -> dict[str, Any]:
@@ -402,7 +277,7 @@ def hift_fields(hift: Tagged, f0: Tagged, default_rate: int) -> dict[str, Any]:
     )
 
 
-def _mel_config(doc: dict[str, Any]) -> MelConfig:
+def mel_config_from_yaml(doc: dict[str, Any]) -> MelConfig:
     """``feat_extractor`` partial; the release defaults when the key is absent (trimmed yamls)."""
     node = doc.get("feat_extractor")
     if not isinstance(node, Tagged):

@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .models.v1.stages import RandomDraws, V1LLMStage, V1StreamState, V1Synthesizer
+from .models.v3.stages import V3VocoderCache, V3VocoderStage, filter_silent_tokens
 from .pipeline import Request
 from .stages.flow import FlowStage
 from .stages.llm import LLMStage
-from .stages.v1 import RandomDraws, V1LLMStage, V1StreamState, V1Synthesizer
-from .stages.v3 import V3VocoderCache, V3VocoderStage, filter_silent_tokens
 from .streaming import ChunkPlan, HopSchedule
 
 __all__ = ["V1Stages", "V3Stages", "V1Schedule", "V1Request", "V3Request"]

@@ -113,9 +113,9 @@ class CosyVoice:
         config = config or EngineConfig()
         if backend not in _ORT_NAMES + _TRT_NAMES:
             raise InputError(f"unknown backend {backend!r}; use one of {', '.join(_ORT_NAMES + _TRT_NAMES)}.")
+        from .models.v1.stages import load_speakers
         from .runtime.engines import SPEAKERS_NAME, TOKENIZER_DIR, load_engines
         from .runtime.manifest import Manifest
-        from .stages.v1 import load_speakers
 
         path = Path(path)
         yamls = [name for name in YAML_BY_FAMILY.values() if (path / name).is_file()]

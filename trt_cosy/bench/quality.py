@@ -7,10 +7,11 @@ Per stage, on the same inputs:
 * flow: SNR in dB of the reduced mel against the fp32 mel (same tokens, prompt, noise);
 * HiFT: SNR in dB of the reduced waveform against the fp32 one (same fp32 mel, same NSF noise).
 
-Every family runs through its own host stages: CosyVoice 1 builds the LLM input through its text
-encoder graph (``V1LLMStage``, speaker row included), runs ``V1FlowStage`` with seeded fresh CFM
-noise and ``V1_HIFT`` with seeded SineGen draws; CosyVoice3 uses the v2 LLM and flow stages on its
-graphs and ``V3VocoderStage`` with the engines' fixed NSF buffer.
+Every family runs through its own host stages (``Family.quality``, ``trt_cosy.models.family.QualityFeeds``):
+CosyVoice 1 builds the LLM input through its text encoder graph (``V1LLMStage``, speaker row
+included), runs ``V1FlowStage`` with seeded fresh CFM noise and ``V1_HIFT`` with seeded SineGen
+draws; CosyVoice3 uses the v2 LLM and flow stages on its graphs and ``V3VocoderStage`` with the
+engines' fixed NSF buffer.
 
 Inputs come from a golden file when given (its teacher-forced sequence and flow/HiFT inputs), else
 from a seeded generator. ``THRESHOLDS`` are the bars a precision must clear to be a default.
@@ -24,14 +25,9 @@ from typing import Final
 
 import numpy as np
 
-from ..runtime import graphs_v1
+from ..models.registry import family_of
 from ..runtime.model import LoadedModel
-from ..stages.flow import FlowStage
-from ..stages.llm import LLMStage
 from ..stages.sampling import log_softmax
-from ..stages.v1 import RandomDraws, V1FlowStage, V1LLMStage
-from ..stages.v3 import V3VocoderStage
-from ..stages.vocoder import VocoderStage
 
 __all__ = ["QualityInputs", "QualityRow", "THRESHOLDS", "snr_db", "next_token_agreement", "quality_guard"]
 
@@ -63,10 +59,7 @@ class QualityInputs:
         """16 + 24 text tokens, 50 prompt tokens (and their mel frames), ``targets`` target tokens; seeded."""
         rng = np.random.default_rng(seed)
         config = model.config
-        if config.family == "v1":
-            vocab, prompt_frames = config.llm.text_token_size, config.flow.mel_frames(50)
-        else:
-            vocab, prompt_frames = config.llm.qwen.vocab_size, config.token_mel_ratio * 50
+        vocab, prompt_frames = family_of(config).quality.random_vocab_and_prompt_frames(config)
         speech = config.llm.speech_token_size
         return cls(
             prompt_text=rng.integers(0, min(2048, vocab), 16),
@@ -125,105 +118,23 @@ def next_token_agreement(reference: np.ndarray, candidate: np.ndarray) -> tuple[
     return float(kl.mean()), float(kl.max()), top1
 
 
-def _llm_logits(model: LoadedModel, inputs: QualityInputs) -> np.ndarray:
-    runners, speech = model.runners, np.concatenate([inputs.prompt_speech, inputs.target_speech])
-    if model.config.family == "v1":  # zero-shot layout: [sos, spk, text_enc(text), task, speech]
-        v1 = V1LLMStage(
-            runners[graphs_v1.V1_TEXT_ENCODER.name], runners["llm"], model.llm_tables, model.config.llm
-        )
-        lm_input = v1.build_inputs(inputs.text, inputs.prompt_text, speech, inputs.embedding)  # [1, L, D]
-        logits, _ = v1.teacher_forced(lm_input)  # [1, L, V]
-        return logits[0]
-    stage = LLMStage(runners["llm"], model.llm_tables, model.config.llm)
-    lm_input = stage.build_inputs(inputs.text, inputs.prompt_text, speech)  # [1, L, D]
-    logits, _ = stage.teacher_forced(lm_input)  # [1, L, V]
-    return logits[0]
-
-
-def _mel(model: LoadedModel, inputs: QualityInputs, seed: int) -> np.ndarray:
-    runners = model.runners
-    if model.config.family == "v1":  # fresh CFM noise per call: the same seeded draw for both models
-        flow_v1 = V1FlowStage(
-            runners[graphs_v1.V1_FLOW_ENCODER.name],
-            runners[graphs_v1.V1_FLOW_ESTIMATOR.name],
-            model.config.flow,
-        )
-        draws = RandomDraws(np.random.default_rng(seed), mel_bins=model.config.flow.output_size)
-        empty_cache = np.zeros((1, model.config.flow.output_size, 0, 2), np.float32)
-        return flow_v1.token2mel(
-            inputs.target_speech[None],
-            inputs.prompt_speech[None],
-            inputs.prompt_feat,
-            inputs.embedding,
-            empty_cache,
-            draws,
-        ).mel  # [1, 80, F]
-    flow = FlowStage(
-        runners["flow_encoder"],
-        runners["flow_estimator"],
-        runners["flow_estimator_stream"],
-        model.flow_noise,
-        model.config.flow,
-    )
-    return flow.token2mel(
-        inputs.target_speech[None],
-        inputs.prompt_speech[None],
-        inputs.prompt_feat,
-        inputs.embedding,
-        streaming=False,
-        finalize=True,
-    ).mel  # [1, 80, 2N]
-
-
-def _hift_draws(model: LoadedModel, frames: int, seed: int) -> dict[str, np.ndarray]:
-    """The vocoder's random inputs for ``frames`` mel frames, shared by both models.
-
-    v1: SineGen noise [1, S, H + 1] and phases [1, H + 1]; v2: NSF noise [1, S, H + 1]; v3: the
-    fixed NSF buffer prefix (the engines' own, identical in an fp32 and a derived directory).
-    """
-    hift = model.config.hift
-    if model.config.family == "v3":
-        return {"sine_noise": np.asarray(model.hift_noise, np.float32)}
-    samples = frames * hift.samples_per_frame
-    rng = np.random.default_rng(seed)
-    draws = {"sine_noise": rng.standard_normal((1, samples, hift.nb_harmonics + 1), dtype=np.float32)}
-    if model.config.family == "v1":
-        draws["rand_phase"] = rng.random((1, hift.nb_harmonics + 1), dtype=np.float32)
-    return draws
-
-
-def _wav(model: LoadedModel, mel: np.ndarray, draws: dict[str, np.ndarray]) -> np.ndarray:
-    """One whole-utterance vocoder call on ``mel`` [1, 80, F]: the waveform [1, S]."""
-    family, runners = model.config.family, model.runners
-    if family == "v3":
-        vocoder = V3VocoderStage(
-            runners["hift"], runners["hift_stream"], draws["sine_noise"], model.config.hift
-        )
-        return vocoder.vocode(mel, final=True)["wav"]
-    if family == "v1":
-        feed = dict(
-            draws, mel=np.ascontiguousarray(mel, np.float32), cache_source=np.zeros((1, 1, 0), np.float32)
-        )
-        return runners[graphs_v1.V1_HIFT.name].infer(feed)["wav"]
-    return VocoderStage(runners["hift"], model.config.hift).render(mel, draws["sine_noise"])
-
-
 def quality_guard(
     reference: LoadedModel, candidate: LoadedModel, inputs: QualityInputs | None = None, seed: int = 0
 ) -> list[QualityRow]:
     """Compare ``candidate`` (reduced precision) with ``reference`` (fp32) stage by stage."""
+    feeds = family_of(reference.config).quality  # the family's own host stages for each metric
     inputs = inputs or QualityInputs.random(reference, seed=seed)
     kl_mean, kl_max, top1 = next_token_agreement(
-        _llm_logits(reference, inputs), _llm_logits(candidate, inputs)
+        feeds.llm_logits(reference, inputs), feeds.llm_logits(candidate, inputs)
     )
-    mel_ref = _mel(reference, inputs, seed)
-    mel_snr = snr_db(mel_ref, _mel(candidate, inputs, seed))
+    mel_ref = feeds.mel(reference, inputs, seed)
+    mel_snr = snr_db(mel_ref, feeds.mel(candidate, inputs, seed))
     mel = inputs.hift_mel if inputs.hift_mel is not None else mel_ref
-    noise = _hift_draws(reference, mel.shape[2], seed)
+    noise = feeds.vocoder_draws(reference, mel.shape[2], seed)
     values = {
         "llm_kl_mean": kl_mean,
         "flow_mel_snr_db": mel_snr,
-        "hift_wav_snr_db": snr_db(_wav(reference, mel, noise), _wav(candidate, mel, noise)),
+        "hift_wav_snr_db": snr_db(feeds.wav(reference, mel, noise), feeds.wav(candidate, mel, noise)),
     }
     rows = [QualityRow(name, value, *THRESHOLDS[name]) for name, value in values.items()]
     # Reported, not bars: on random-weight models the next-token distributions are nearly flat, so

@@ -36,9 +36,10 @@ from typing import Final
 from .. import __version__
 from ..config import QWEN_DIR, ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
+from ..models.registry import family_named
 from ..runtime.engines import MODEL_CONFIG_NAME, TOKENIZER_DIR
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord, hash_checkpoint
-from .export import OPSET, ExportResult, export_model, onnx_io_specs
+from .export import OPSET, ExportResult, onnx_io_specs
 from .family_engines import (
     check_family_options,
     copy_v1_tokenizer,
@@ -192,10 +193,7 @@ def _write_engines(
     emit(f"loading the checkpoint in {model_dir}")
     model = load_model_for_build(model_dir)
     family = model.config.family
-    if family == "v2":
-        results = export_model(model, staging, progress=emit)
-    else:
-        results = export_family(model, staging, progress=emit)
+    results = export_family(model, staging, progress=emit)  # the family's graph set (BuildFamily.export)
     write_model_data(model, model_dir, staging)  # tables, fixed noise, preset speakers
     config = model.config
     del model  # the torch weights (2+ GB at full size) are not needed past this point
@@ -209,10 +207,10 @@ def _write_engines(
         if precision != "fp32":
             quantize_engines(staging, precision, family, progress=emit)
     _write_model_config(config, staging / MODEL_CONFIG_NAME)
-    if family == "v1":
-        copy_v1_tokenizer(model_dir, staging / TOKENIZER_DIR)
-    else:
+    if family_named(config.family).qwen_llm:
         _copy_tokenizer(model_dir / QWEN_DIR, staging / TOKENIZER_DIR)
+    else:  # CosyVoice 1: whisper's multilingual.tiktoken
+        copy_v1_tokenizer(model_dir, staging / TOKENIZER_DIR)
     _link_frontend_models(model_dir, staging, frontend_files(family))
     manifest = Manifest(
         trt_cosy_version=__version__,

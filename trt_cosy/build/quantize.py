@@ -29,7 +29,10 @@ import onnx
 from onnx import helper
 
 from ..errors import InputError
-from ..runtime import graphs, graphs_v1, graphs_v3
+from ..models.registry import family_named
+from ..models.v1 import graphs as graphs_v1
+from ..models.v3 import graphs as graphs_v3
+from ..runtime import graphs
 from .onnx_files import save_onnx
 
 __all__ = [
@@ -58,8 +61,6 @@ QUANTIZED_GRAPHS: Final = {
     "v2": {graphs.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "estimator"),
     "v3": {graphs_v3.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "estimator"),
 }
-# Families whose LLM is Qwen2 (RMSNorm in the exported rsqrt form, see fuse_rms_norm).
-_QWEN_FAMILIES: Final = frozenset({"v2", "v3"})
 # Model families whose graph sets precision_plan() knows (config.family values).
 QUANTIZABLE_FAMILIES: Final = frozenset(QUANTIZED_GRAPHS)
 _NBITS_BLOCK: Final = 32
@@ -93,8 +94,9 @@ def precision_plan(precision: str, family: str) -> tuple[StagePlan, ...]:
         raise InputError(f"precision {precision!r} is unknown; use fp32, {', '.join(QUANTIZED_PRECISIONS)}.")
     methods = {"llm": "nbits4" if precision == "int4" else "nbits8", "estimator": "int8", None: "fp32"}
     roles = QUANTIZED_GRAPHS[family]
+    qwen_llm = family_named(family).qwen_llm  # RMSNorm fusion before n-bit quantisation: Qwen2 LLMs only
     return tuple(
-        StagePlan(name, methods[roles.get(name)], roles.get(name) == "llm" and family in _QWEN_FAMILIES)
+        StagePlan(name, methods[roles.get(name)], roles.get(name) == "llm" and qwen_llm)
         for name in names
     )
 

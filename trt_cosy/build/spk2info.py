@@ -2,7 +2,7 @@
 
 The official frontend reads ``torch.load(spk2info.pt, weights_only=True)[name]['embedding']``
 (float32 [1, 192]) and uses it as both the LLM and the flow speaker embedding (spec §2.9). Build
-time converts it once; the runtime reads the npz (``trt_cosy.stages.v1.load_speakers``) without torch.
+time converts it once; the runtime reads the npz (``trt_cosy.models.v1.stages.load_speakers``) without torch.
 """
 
 from __future__ import annotations

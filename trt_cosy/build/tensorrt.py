@@ -30,11 +30,11 @@ from typing import Any, Final
 
 from .. import __version__
 from ..config import ModelConfig
-from ..config_v1 import V1ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
+from ..models.registry import family_named
+from ..models.v1.config import V1ModelConfig
 from ..runtime.manifest import file_sha256
 from ..runtime.profiles import (
-    FAMILY_GRAPHS,
     PROFILES_NAME,
     GraphProfiles,
     ProfileLimits,
@@ -93,7 +93,7 @@ def prepare_trt_graphs(
 ) -> dict[str, Any]:
     """Write the TensorRT inputs next to the fp32 ``<graph>.onnx`` files of ``engines_dir``.
 
-    Every graph of ``config.family``'s set (``profiles.FAMILY_GRAPHS``). Needs onnx and onnxruntime,
+    Every graph of ``config.family``'s set (``Family.graphs``). Needs onnx and onnxruntime,
     never TensorRT. Returns the ``tensorrt.json`` content. The fp16 pass calibrates its range islands
     on the export's sample and parity feeds; ``measure`` compares each fp16 graph with its fp32
     export on the same feeds and raises ``TrtCosyError`` on NaN/inf.
@@ -109,7 +109,7 @@ def prepare_trt_graphs(
     profiles = default_profiles(config, limits)
     write_profiles(profiles, engines_dir / PROFILES_NAME)
     graphs: dict[str, Any] = {}
-    for name in FAMILY_GRAPHS[config.family]:
+    for name in family_named(config.family).graphs:
         graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
     for name in trt_graph_specs(config.family):
         if name not in graphs:
@@ -128,18 +128,9 @@ def prepare_trt_graphs(
 
 def _export_feeds(name: str, config: ModelConfig | V1ModelConfig) -> list[dict[str, Any]]:
     """The export's sample and parity feeds of graph ``name`` (calibration and fp16-vs-fp32 check)."""
-    if isinstance(config, V1ModelConfig):
-        from .reference_v1 import export_plans_v1
+    from .models.registry import build_family_of  # torch: build time only
 
-        plan = export_plans_v1(config)[name]
-    elif config.family == "v3":
-        from .export_v3 import v3_graph_export_plan
-
-        plan = v3_graph_export_plan(name, config)  # type: ignore[arg-type]
-    else:
-        from .export import graph_export_plan
-
-        plan = graph_export_plan(name, config)
+    plan = build_family_of(config).export_plan(config, name)
     return [plan.sample, *plan.parity]
 
 

@@ -25,24 +25,15 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
-import numpy as np
-
-from ..config import ModelConfig
 from ..errors import InputError
-from .modules.flow import CosyVoice2Flow
-from .modules.hift import HiFTGenerator
-from .modules.llm import CosyVoice2LM
-from .standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
-from .testmodel_parts import write_checkpoints, write_qwen_dir
-from .testmodel_v1v3 import write_release_v1, write_release_v3
-from .yaml_template import FULL_SIZES, TINY_SIZES, render_cosyvoice2_yaml
+from .models.registry import BUILD_FAMILIES
 
 __all__ = ["make_test_model", "SIZES", "FAMILIES"]
 
 _LOGGER = logging.getLogger(__name__)
 
 SIZES: Final = ("tiny", "full")
-FAMILIES: Final = ("v1", "v2", "v3")
+FAMILIES: Final = tuple(BUILD_FAMILIES)  # "v1", "v2", "v3"
 
 
 def make_test_model(
@@ -60,8 +51,7 @@ def make_test_model(
     staging = Path(tempfile.mkdtemp(prefix=".make-test-model-", dir=out.parent))
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; a model directory is not
-        writer = {"v1": write_release_v1, "v2": _write_release_v2, "v3": write_release_v3}[family]
-        writer(staging, size, seed)
+        BUILD_FAMILIES[family].write_test_release(staging, size, seed)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -69,22 +59,3 @@ def make_test_model(
         shutil.rmtree(staging, ignore_errors=True)
     _LOGGER.info("wrote %s %s test model to %s", size, family, out)
     return out
-
-
-def _write_release_v2(root: Path, size: str, seed: int) -> None:
-    sizes = TINY_SIZES if size == "tiny" else FULL_SIZES
-    (root / "cosyvoice2.yaml").write_text(render_cosyvoice2_yaml(sizes, size), encoding="utf-8")
-    write_qwen_dir(root, size)
-    config = ModelConfig.from_release_dir(root)
-
-    write_checkpoints(
-        root,
-        seed,
-        lambda: CosyVoice2LM(config.llm),
-        lambda: CosyVoice2Flow(config.flow),
-        lambda: HiFTGenerator(config.hift),
-        tied_llm=True,
-    )
-    rng = np.random.default_rng(seed)
-    write_standin_campplus(root / "campplus.onnx", rng)
-    write_standin_speech_tokenizer(root / "speech_tokenizer_v2.onnx", rng)

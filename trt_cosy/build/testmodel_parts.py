@@ -1,4 +1,4 @@
-"""Pieces shared by the ``make-test-model`` writers of every family (``testmodel``, ``testmodel_v1v3``).
+"""Pieces shared by the ``make-test-model`` writers of every family (``build/models/<name>/testmodel.py``).
 
 Saving random-weight state dicts the way the releases store them (float32, weight norm in the
 ``parametrizations`` key form, Qwen's tied text head), the f0 calibration that makes a random HiFT

@@ -4,7 +4,7 @@ The real file is openai-whisper's (``whisper/assets/multilingual.tiktoken``, 502
 CosyVoice-300M releases do not ship it. This writes the same format — one ``<base64 token> <rank>``
 line per token, the 256 single bytes first (ranks 0..255), then byte-pair merges in rank order —
 learned by a plain byte-level BPE on a small built-in Chinese + English corpus, pre-split with
-whisper's pattern. ``trt_cosy.frontend.tokenizer_v1.WhisperTextTokenizer`` reads it like the real
+whisper's pattern. ``trt_cosy.models.v1.tokenizer.WhisperTextTokenizer`` reads it like the real
 one and appends whisper's 1609 special tokens after the last rank. Deterministic; needs no torch.
 """
 
@@ -19,7 +19,7 @@ from typing import Final
 import regex
 
 from ..errors import InputError
-from ..frontend.tokenizer_v1 import WHISPER_SPLIT_PATTERN
+from ..models.v1.tokenizer import WHISPER_SPLIT_PATTERN
 
 __all__ = ["write_test_ranks", "train_byte_bpe"]
 

@@ -1,7 +1,7 @@
 """Load an engines directory written by ``trt-cosy build`` onto ONNX Runtime (torch-free).
 
-Every family has the graphs of its contract set (``graphs.GRAPHS`` for CosyVoice2,
-``graphs_v1.V1_GRAPHS``, ``graphs_v3.GRAPHS_V3``), the three LLM lookup tables and
+Every family has the graphs of its contract set (``Family.graphs``: ``graphs.GRAPHS`` for
+CosyVoice2, ``models/v1/graphs.py``, ``models/v3/graphs.py``), the three LLM lookup tables and
 ``model_config.json``; CosyVoice2/3 add the fixed CFM noise, CosyVoice3 the fixed HiFT noise, and
 CosyVoice-300M-SFT/-Instruct engines their preset speakers.
 """
@@ -17,7 +17,8 @@ from typing import Final
 import numpy as np
 
 from ..errors import EngineMismatchError
-from . import graphs, graphs_v1, graphs_v3
+from ..models.registry import family_named
+from . import graphs
 from .base import Runner
 from .manifest import Manifest, model_config_from_dict
 from .model import LoadedModel
@@ -50,17 +51,11 @@ TOKENIZER_DIR: Final = "tokenizer"  # v2/v3: the Qwen tokenizer files; v1: multi
 # ONNX Runtime graphs whose session is created on first use: only streaming synthesis runs the
 # chunk-attention estimator, and its session costs ~0.5 s of cold start and its own weights.
 LAZY_GRAPHS: Final = frozenset({"flow_estimator_stream"})
-_GRAPHS_BY_FAMILY: Final = {"v1": graphs_v1.V1_GRAPHS, "v2": graphs.GRAPHS, "v3": graphs_v3.GRAPHS_V3}
 
 
 def graph_specs(family: str) -> dict[str, graphs.GraphSpec]:
     """The graph contracts of a family (``"v1"``, ``"v2"``, ``"v3"``), keyed by graph name."""
-    try:
-        return _GRAPHS_BY_FAMILY[family]
-    except KeyError:
-        raise EngineMismatchError(
-            f"model family {family!r} is unknown to this trt-cosy; rebuild the engines with `trt-cosy build`."
-        ) from None
+    return dict(family_named(family).graphs)
 
 
 def load_engines(
@@ -98,12 +93,13 @@ def load_engines(
         runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
     tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}
     noise_path = engines_dir / FLOW_NOISE_NAME
-    if config.family == "v1" and not noise_path.is_file():  # v1 draws fresh CFM noise per call
+    family = family_named(config.family)
+    if not family.fixed_flow_noise and not noise_path.is_file():  # v1 draws fresh CFM noise per call
         flow_noise = np.zeros((1, config.flow.output_size, 0), np.float32)
     else:
         flow_noise = np.load(noise_path)  # [1, 80, 15000]
     hift_noise = None
-    if config.family == "v3":
+    if family.fixed_hift_noise:
         hift_noise = np.load(engines_dir / HIFT_NOISE_NAME, mmap_mode="r")  # [1, S, 9]
     _LOGGER.debug(
         "loaded %s %s engines from %s (built %s)",
@@ -144,7 +140,7 @@ def _load_runners(
 
 def _check_trt_graphs(engines_dir: Path, family: str) -> None:
     """The TensorRT profiles (one plan each) must cover exactly the family's graph set, before any
-    plan is loaded: a v1/v3 directory has its own graph names (``graphs_v1``, ``graphs_v3``)."""
+    plan is loaded: a v1/v3 directory has its own graph names (``Family.graphs``)."""
     from .profiles import PROFILES_NAME, read_profiles, trt_graph_specs
 
     named = set(read_profiles(engines_dir / PROFILES_NAME))

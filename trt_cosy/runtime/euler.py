@@ -21,15 +21,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 
 from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream, bindings, cuda_call
 from .graphs import GraphSpec, TensorSpec
-
-if TYPE_CHECKING:
-    from .profiles import GraphProfiles
 
 __all__ = [
     "FLOW_STEP",
@@ -38,7 +35,6 @@ __all__ = [
     "TIME_STRIDE",
     "step_schedule",
     "guidance_feed",
-    "step_profiles",
     "StepRunner",
     "DeviceOutput",
     "DeviceEulerLoop",
@@ -113,20 +109,6 @@ def guidance_feed(
         "spks": pair(spks),  # [2, 80]
         "cond": pair(cond),  # [2, 80, F]
     }
-
-
-def step_profiles(estimator: GraphProfiles, name: str) -> GraphProfiles:
-    """The step graph ``name``'s profiles from the estimator's: same F ranges, x at batch 1, t and dt [1]."""
-    # Imported here so that runtime/profiles.py may import this module (default_profiles).
-    from .profiles import GraphProfiles, ShapeProfile
-
-    profiles = []
-    for profile in estimator.profiles:
-        shapes = dict(profile.shapes)
-        shapes["x"] = tuple((1, *shape[1:]) for shape in profile.shapes["x"])  # [1, 80, F]
-        shapes["t"] = shapes["dt"] = ((1,),) * 3
-        profiles.append(ShapeProfile(profile.name, {n: shapes[n] for n in FLOW_STEP.input_names}))
-    return GraphProfiles(name, tuple(profiles))
 
 
 class StepRunner(Protocol):

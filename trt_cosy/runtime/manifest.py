@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from .. import __version__
-from ..config import QWEN_DIR, YAML_BY_FAMILY, ModelConfig, release_family
-from ..config_v1 import V1ModelConfig
-from ..config_v3 import V3ModelConfig
+from ..config import QWEN_DIR, YAML_BY_FAMILY, ModelConfig
 from ..errors import EngineMismatchError, ModelDirError
+from ..models.registry import family_named, family_of_release
+from ..models.v1.config import V1ModelConfig
 
 __all__ = [
     "MANIFEST_NAME",
@@ -220,7 +220,7 @@ def checkpoint_files(model_dir: Path) -> tuple[str, ...]:
     """The files of ``model_dir`` whose sha256 identifies its engines: the family's required files
     (``CHECKPOINT_FILES_BY_FAMILY``) plus the optional ones it has. ``ModelDirError`` when one is missing."""
     model_dir = Path(model_dir)
-    family = release_family(model_dir)  # raises ModelDirError for a missing dir or one without a yaml
+    family = family_of_release(model_dir).name  # raises ModelDirError for a missing dir or one without a yaml
     required = CHECKPOINT_FILES_BY_FAMILY[family]
     missing = [name for name in required if not (model_dir / name).is_file()]
     if missing:
@@ -241,13 +241,13 @@ def hash_checkpoint(model_dir: Path) -> dict[str, str]:
 def model_config_from_dict(raw: Mapping[str, Any]) -> ModelConfig | V1ModelConfig:
     """Rebuild a model config from its ``to_dict()`` (after a JSON round trip).
 
-    ``raw["family"]`` picks the class: ``V1ModelConfig`` for ``"v1"``, ``V3ModelConfig`` for
-    ``"v3"``, else ``ModelConfig``. Nested dataclasses are rebuilt from their field types; lists
+    ``raw["family"]`` picks the class (``Family.config_class``: ``V1ModelConfig``, ``ModelConfig``,
+    ``V3ModelConfig``); an unknown family raises ``EngineMismatchError``. Nested dataclasses are rebuilt from their field types; lists
     become tuples where the field is a tuple. Missing fields take their defaults; unknown keys
     raise ``EngineMismatchError``.
     """
     family = raw.get("family", "v2") if isinstance(raw, Mapping) else "v2"
-    cls = {"v1": V1ModelConfig, "v3": V3ModelConfig}.get(family, ModelConfig)
+    cls = family_named(family).config_class
     try:
         return _from_dict(cls, raw)
     except (KeyError, TypeError, ValueError) as exc:

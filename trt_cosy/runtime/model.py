@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
-from ..config_v1 import V1ModelConfig
+from ..models.v1.config import V1ModelConfig
 from .base import Runner
 
 __all__ = ["LoadedModel"]

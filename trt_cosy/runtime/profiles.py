@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..config import HiFTConfig, ModelConfig
-from ..config_v1 import V1ModelConfig
 from ..errors import EngineMismatchError, InputError
-from . import graphs_v1, graphs_v3
-from .euler import STEP_GRAPHS, step_profiles
-from .graphs import GRAPHS, GraphSpec
+from ..models.v1.config import V1ModelConfig
+from ..models.v3 import graphs as graphs_v3
+from .euler import FLOW_STEP, STEP_GRAPHS
+from .graphs import GraphSpec
 
 __all__ = [
     "PROFILES_NAME",
@@ -31,7 +31,7 @@ __all__ = [
     "ShapeProfile",
     "GraphProfiles",
     "ProfileLimits",
-    "FAMILY_GRAPHS",
+    "step_profiles",
     "trt_graph_specs",
     "V1_FRAME_SLACK",
     "default_profiles",
@@ -46,18 +46,17 @@ __all__ = [
 PROFILES_NAME: Final = "profiles.json"
 
 Shape = tuple[int, ...]
-# The graph contracts each family's profiles cover (config.family -> graph name -> GraphSpec).
-FAMILY_GRAPHS: Final = {"v1": graphs_v1.V1_GRAPHS, "v2": GRAPHS, "v3": graphs_v3.GRAPHS_V3}
-# Families whose flow runs ``stages.flow.FlowStage`` get TensorRT step graphs (``runtime.euler``):
-# the estimator + guidance + Euler update as one plan, so the whole solve stays on the device.
-_STEP_FAMILIES: Final = frozenset({"v2", "v3"})
 
 
 def trt_graph_specs(family: str) -> dict[str, GraphSpec]:
-    """Every graph a TensorRT engines directory of ``family`` holds: the exported set plus, for
-    CosyVoice2/3, the flow step graphs derived from the estimators."""
-    specs = dict(FAMILY_GRAPHS[family])
-    if family in _STEP_FAMILIES:
+    """Every graph a TensorRT engines directory of ``family`` holds: the exported set
+    (``Family.graphs``) plus, where the family's flow runs ``stages.flow.FlowStage``
+    (``Family.trt_step_graphs``: CosyVoice2/3), the flow step graphs derived from the estimators."""
+    from ..models.registry import family_named  # the families' stages import this package
+
+    known = family_named(family)
+    specs = dict(known.graphs)
+    if known.trt_step_graphs:
         specs.update({step.name: step for estimator, step in STEP_GRAPHS.items() if estimator in specs})
     return specs
 
@@ -426,6 +425,17 @@ def default_profiles(
     for name, profiles in result.items():
         profiles.check_spec(specs[name])
     return result
+
+
+def step_profiles(estimator: GraphProfiles, name: str) -> GraphProfiles:
+    """The step graph ``name``'s profiles from the estimator's: same F ranges, x at batch 1, t and dt [1]."""
+    profiles = []
+    for profile in estimator.profiles:
+        shapes = dict(profile.shapes)
+        shapes["x"] = tuple((1, *shape[1:]) for shape in profile.shapes["x"])  # [1, 80, F]
+        shapes["t"] = shapes["dt"] = ((1,),) * 3
+        profiles.append(ShapeProfile(profile.name, {n: shapes[n] for n in FLOW_STEP.input_names}))
+    return GraphProfiles(name, tuple(profiles))
 
 
 def profiles_to_dict(profiles: Mapping[str, GraphProfiles]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """``trt-cosy verify``: run every stage on golden inputs and compare with the official outputs.
 
-Works for the three families (golden README §2, §7, §8); the model's ``config.family`` picks the
-stage drivers (``stages`` for CosyVoice2, ``stages_v1``, ``stages_v3``). ``run_verify`` is
+Works for the three families (golden README §2, §7, §8); the model's family supplies the stage
+drivers (``Family.verify_drivers``: ``stages`` here for CosyVoice2, ``models/v1/verify.py``,
+``models/v3/verify.py``). ``run_verify`` is
 ``compute_outputs`` (run the stages, injected noise) followed by ``compare_outputs`` (one row per
 compared golden key).
 """
@@ -11,30 +12,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-from ..config import release_family
 from ..errors import InputError, require
 from ..runtime.model import LoadedModel
 from .golden import Comparison, GoldenSet, compare
-from .stages import run_flow, run_hift, run_llm
-from .stages_v1 import run_flow_v1, run_hift_v1, run_llm_v1
-from .stages_v3 import run_flow_v3, run_hift_v3, run_llm_v3
 
 __all__ = ["load_backend", "run_verify", "compute_outputs", "compare_outputs", "format_table"]
 
 _LOGGER = logging.getLogger(__name__)
 
 StageDriver = Callable[[LoadedModel, GoldenSet, dict[str, str]], dict[str, Any]]
-
-_DRIVERS: Final[dict[str, tuple[StageDriver, ...]]] = {
-    "v1": (run_llm_v1, run_flow_v1, run_hift_v1),
-    "v2": (run_llm, run_flow, run_hift),
-    "v3": (run_llm_v3, run_flow_v3, run_hift_v3),
-}
-_FAMILY_NAMES: Final = {"v1": "CosyVoice 1 (300M)", "v2": "CosyVoice2", "v3": "CosyVoice3"}
-# Families whose engines `trt-cosy build` can write in this version.
-_ENGINE_FAMILIES: Final = ("v1", "v2", "v3")
 
 # Keys the engine does not reproduce by design, with the reason printed in the table.
 _SKIPPED: dict[str, str] = {
@@ -49,12 +37,9 @@ def load_backend(backend: str, model_dir: Path, engines: Path | None, threads: i
         from ..build.reference import load_torch_model
 
         return load_torch_model(model_dir, threads=threads)
-    family = release_family(model_dir)
-    if family not in _ENGINE_FAMILIES:
-        raise InputError(
-            f"{model_dir} is a {_FAMILY_NAMES[family]} release; this version builds engines for "
-            f"CosyVoice2 only, so verify it with --backend torch."
-        )
+    from ..models.registry import family_of_release
+
+    family_of_release(model_dir)  # a missing or unknown release directory is refused first
     if engines is None:
         raise InputError(f"--backend {backend} needs --engines DIR (built with `trt-cosy build`).")
     if backend not in ("onnxruntime", "tensorrt"):
@@ -66,18 +51,20 @@ def load_backend(backend: str, model_dir: Path, engines: Path | None, threads: i
 
 def compute_outputs(model: LoadedModel, golden: GoldenSet) -> tuple[dict[str, Any], dict[str, str]]:
     """Run each stage on the golden inputs (noise injected): (our outputs by golden key, skipped keys)."""
-    family = model.config.family
-    if family not in _DRIVERS:
-        raise InputError(f"verify does not know the model family {family!r}.")
-    golden_family = golden.meta.get("family", "v2")  # the CosyVoice2 golden set predates the field
-    if golden_family != family:
+    from ..models.registry import FAMILIES, family_of  # the families' drivers import this package
+
+    family = family_of(model.config)
+    golden_name = golden.meta.get("family", "v2")  # the CosyVoice2 golden set predates the field
+    golden_family = FAMILIES.get(golden_name)
+    if golden_family is not family:
+        title = golden_family.title if golden_family else golden_name
         raise InputError(
-            f"{golden.source} is a {_FAMILY_NAMES.get(golden_family, golden_family)} golden set but the model "
-            f"is {_FAMILY_NAMES[family]}; pass the reference.npz made for this model."
+            f"{golden.source} is a {title} golden set but the model "
+            f"is {family.title}; pass the reference.npz made for this model."
         )
     ours: dict[str, Any] = {}
     skipped = dict(_SKIPPED)
-    for driver in _DRIVERS[family]:
+    for driver in family.verify_drivers:
         ours.update(driver(model, golden, skipped))
     return ours, skipped
 

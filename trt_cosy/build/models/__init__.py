@@ -1,0 +1,1 @@
+"""The torch side of each model family (``<name>/family.py``: a ``BuildFamily``); ``registry`` maps to it."""

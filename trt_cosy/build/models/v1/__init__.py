@@ -1,0 +1,1 @@
+"""The torch side of the CosyVoice 1 family: ``family.py`` is its ``BuildFamily``; modules, reference loader, export plans, test-model writer beside it."""

@@ -1,0 +1,65 @@
+"""The CosyVoice 1 build steps: its torch modules, export plans, preset speakers and test model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Final
+
+from ....models.registry import FAMILIES
+from ....models.v1 import graphs as graphs_v1
+from ....runtime.engines import SPEAKERS_NAME
+from ....runtime.model import LoadedModel
+from ...export import ExportResult, GraphPlan, Progress, export_graph
+from ...spk2info import SPK2INFO_FILE, read_spk2info, write_speakers
+from ..family import BuildFamily
+from .reference import export_plans_v1, load_torch_model_v1
+from .testmodel import write_release_v1
+
+__all__ = ["V1BuildFamily"]
+
+_LOGGER = logging.getLogger(__name__)
+
+# ORT-vs-torch export tolerance of the v1 graphs (scaled max error, as export.TOLERANCES).
+_V1_TOLERANCES: Final = {graphs_v1.V1_HIFT.name: 1e-3}
+_V1_DEFAULT_TOLERANCE: Final = 1e-4
+
+
+class V1BuildFamily(BuildFamily):
+    family = FAMILIES["v1"]
+
+    def load_torch_model(
+        self, model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None
+    ) -> LoadedModel:
+        return load_torch_model_v1(model_dir, threads=threads)
+
+    def export_plan(self, config: Any, name: str) -> GraphPlan:
+        return export_plans_v1(config)[name]
+
+    def export(self, model: LoadedModel, out_dir: Path, progress: Progress | None = None) -> dict[str, ExportResult]:
+        out_dir = Path(out_dir)
+        plans = export_plans_v1(model.config)
+        results = {}
+        for name, spec in graphs_v1.V1_GRAPHS.items():
+            plan = plans[name]
+            results[name] = export_graph(
+                spec,
+                model.runners[name].module,  # a TorchRunner's module
+                plan.sample,
+                out_dir / f"{name}.onnx",
+                plan.dynamic_shapes,
+                parity_inputs=plan.parity,
+                tolerance=_V1_TOLERANCES.get(name, _V1_DEFAULT_TOLERANCE),
+                progress=progress,
+            )
+        return results
+
+    def write_extra_data(self, model: LoadedModel, model_dir: Path, staging: Path) -> None:
+        """The preset speakers of ``spk2info.pt`` (CosyVoice-300M-SFT/-Instruct), when the release has them."""
+        if (Path(model_dir) / SPK2INFO_FILE).is_file():
+            speakers = read_spk2info(Path(model_dir) / SPK2INFO_FILE, model.config.llm.spk_embed_dim)
+            write_speakers(speakers, staging / SPEAKERS_NAME)
+            _LOGGER.info("preset speakers: %s", ", ".join(speakers))
+
+    def write_test_release(self, root: Path, size: str, seed: int) -> None:
+        write_release_v1(root, size, seed)

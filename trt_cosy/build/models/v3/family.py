@@ -1,0 +1,53 @@
+"""The Fun-CosyVoice3 build steps: its torch modules, export plans and test-model writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ....models.registry import FAMILIES
+from ....models.v3.config import V3ModelConfig
+from ....runtime.model import LoadedModel
+from ....runtime.profiles import ProfileLimits
+from ...export import ExportResult, GraphPlan, Progress
+from ..family import BuildFamily
+from .export import export_model_v3, v3_graph_export_plan
+from .reference import load_torch_model_v3
+from .testmodel import write_release_v3
+
+__all__ = ["V3BuildFamily", "hift_noise_seconds"]
+
+
+def hift_noise_seconds(config: V3ModelConfig, limits: ProfileLimits | None = None) -> float:
+    """Seconds of the v3 HiFT noise buffer the engines keep: the longest synthesis the limits allow.
+
+    One segment's flow runs on at most ``limits.max_tokens`` speech tokens (prompt included; 1500
+    tokens = 3000 mel frames = 60 s, the official TensorRT maximum), and the vocoder renders at most
+    that much mel, so 60 s of the official 300 s buffer (52 MB instead of 259 MB) cover every call.
+    """
+    limits = limits or ProfileLimits()
+    frames = limits.max_tokens * config.token_mel_ratio
+    return frames * config.hift.samples_per_frame / config.hift.sampling_rate
+
+
+class V3BuildFamily(BuildFamily):
+    family = FAMILIES["v3"]
+
+    def load_torch_model(
+        self, model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None
+    ) -> LoadedModel:
+        return load_torch_model_v3(model_dir, threads=threads, hift_noise_seconds=hift_noise_seconds)
+
+    def load_for_build(self, model_dir: Path) -> LoadedModel:
+        """The fixed HiFT noise cut to the longest synthesis the engines allow (``hift_noise_seconds``)."""
+        config = self.family.read_config(model_dir)
+        return self.load_torch_model(model_dir, hift_noise_seconds=hift_noise_seconds(config))
+
+    def export_plan(self, config: Any, name: str) -> GraphPlan:
+        return v3_graph_export_plan(name, config)
+
+    def export(self, model: LoadedModel, out_dir: Path, progress: Progress | None = None) -> dict[str, ExportResult]:
+        return export_model_v3(model, out_dir, progress=progress)
+
+    def write_test_release(self, root: Path, size: str, seed: int) -> None:
+        write_release_v3(root, size, seed)

@@ -1,0 +1,153 @@
+"""CosyVoice2 (``cosyvoice2.yaml``): the Qwen2 LLM, the causal conformer flow and HiFT.
+
+The reference family: CosyVoice3 (``models.v3.family``) derives from it and changes the LLM
+vocabulary, the flow encoder, the vocoder and the prompts. Spec §2.4 for the prompt layout.
+
+* Instructions (``instruct2``) are not normalised; ``<|endofprompt|>`` is appended when missing
+  (the official frontend did this until 2025-12).
+* Longest segment: as far as the engines' fixed CFM noise goes (300 s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...config import ModelConfig
+from ...frontend.tokenizer import ENDOFPROMPT, QwenTextTokenizer, special_tokens_for
+from ...frontend.voice import Voice
+from ...pipeline import Request, Stages
+from ...runtime import graphs
+from ...runtime.graphs import GraphSpec
+from ...runtime.model import LoadedModel
+from ...stages.flow import FlowStage, device_euler_loops
+from ...stages.llm import LLMStage
+from ...stages.vocoder import VocoderStage
+from ...synthesis import LLMPrompt
+from ...verify.stages import run_flow, run_hift, run_llm
+from ..family import Family, QualityFeeds
+from .config import v2_config_from_release_dir
+
+__all__ = ["V2Family", "V2QualityFeeds"]
+
+
+class V2QualityFeeds(QualityFeeds):
+    """The quality guard on the CosyVoice2 stages (``LLMStage``, ``FlowStage``, ``VocoderStage``)."""
+
+    def random_vocab_and_prompt_frames(self, config: Any) -> tuple[int, int]:
+        return config.llm.qwen.vocab_size, config.token_mel_ratio * 50
+
+    def llm_logits(self, model: LoadedModel, inputs: Any) -> np.ndarray:
+        speech = np.concatenate([inputs.prompt_speech, inputs.target_speech])
+        stage = LLMStage(model.runners["llm"], model.llm_tables, model.config.llm)
+        lm_input = stage.build_inputs(inputs.text, inputs.prompt_text, speech)  # [1, L, D]
+        logits, _ = stage.teacher_forced(lm_input)  # [1, L, V]
+        return logits[0]
+
+    def mel(self, model: LoadedModel, inputs: Any, seed: int) -> np.ndarray:
+        runners = model.runners
+        flow = FlowStage(
+            runners["flow_encoder"],
+            runners["flow_estimator"],
+            runners["flow_estimator_stream"],
+            model.flow_noise,
+            model.config.flow,
+        )
+        return flow.token2mel(
+            inputs.target_speech[None],
+            inputs.prompt_speech[None],
+            inputs.prompt_feat,
+            inputs.embedding,
+            streaming=False,
+            finalize=True,
+        ).mel  # [1, 80, 2N]
+
+    def vocoder_draws(self, model: LoadedModel, frames: int, seed: int) -> dict[str, np.ndarray]:
+        hift = model.config.hift
+        samples = frames * hift.samples_per_frame
+        rng = np.random.default_rng(seed)
+        return {"sine_noise": rng.standard_normal((1, samples, hift.nb_harmonics + 1), dtype=np.float32)}
+
+    def wav(self, model: LoadedModel, mel: np.ndarray, draws: dict[str, np.ndarray]) -> np.ndarray:
+        return VocoderStage(model.runners["hift"], model.config.hift).render(mel, draws["sine_noise"])
+
+
+class V2Family(Family):
+    """CosyVoice2-0.5B."""
+
+    name = "v2"
+    title = "CosyVoice2"
+    yaml_name = "cosyvoice2.yaml"
+    speech_tokenizer_file = "speech_tokenizer_v2.onnx"
+    config_class = ModelConfig
+    request_class: type[Request] = Request
+    quality = V2QualityFeeds()
+
+    @property
+    def graphs(self) -> Mapping[str, GraphSpec]:
+        return graphs.GRAPHS
+
+    def read_config(self, model_dir: Path) -> ModelConfig:
+        return v2_config_from_release_dir(model_dir)
+
+    def load_text_tokenizer(self, tokenizer_dir: Path) -> QwenTextTokenizer:
+        """The Qwen2 tokenizer files with the family's special tokens (``special_tokens_for``)."""
+        return QwenTextTokenizer.from_dir(tokenizer_dir, special_tokens_for(self.name))
+
+    def build_stages(self, model: LoadedModel) -> Any:
+        config, runners = model.config, model.runners
+        llm = LLMStage(runners["llm"], model.llm_tables, config.llm)
+        flow = FlowStage(
+            runners["flow_encoder"],
+            runners["flow_estimator"],
+            runners["flow_estimator_stream"],
+            model.flow_noise,
+            config.flow,
+            step_loops=device_euler_loops(runners, config.flow),  # TensorRT step plans, when built
+        )
+        return self._stages(model, llm, flow)
+
+    def _stages(self, model: LoadedModel, llm: LLMStage, flow: FlowStage) -> Any:
+        return Stages(llm=llm, flow=flow, vocoder=VocoderStage(model.runners["hift"], model.config.hift))
+
+    def instruct_text(self, instruct: str, normalize: Callable[[str], str]) -> str:
+        instruct = instruct.strip()
+        if ENDOFPROMPT in instruct:
+            return instruct
+        return self._instruct_prefix(instruct) + ENDOFPROMPT
+
+    def _instruct_prefix(self, instruct: str) -> str:
+        return instruct
+
+    def llm_prompt(
+        self, voice: Voice, instruct_ids: np.ndarray | None, encode: Callable[[str], list[int]]
+    ) -> LLMPrompt:
+        empty = np.zeros(0, np.int64)
+        if instruct_ids is not None:  # instruct2: zero-shot with the instruction as prompt text, no prompt speech
+            return LLMPrompt(instruct_ids.astype(np.int64), empty)
+        has_text = voice.prompt_text_ids.size > 0
+        text_ids = voice.prompt_text_ids.astype(np.int64) if has_text else empty
+        speech_ids = voice.speech_tokens.astype(np.int64) if has_text else empty
+        return self._zero_shot_prompt(voice, has_text, text_ids, speech_ids, encode)
+
+    def _zero_shot_prompt(
+        self,
+        voice: Voice,
+        has_text: bool,
+        text_ids: np.ndarray,
+        speech_ids: np.ndarray,
+        encode: Callable[[str], list[int]],
+    ) -> LLMPrompt:
+        return LLMPrompt(text_ids, speech_ids)
+
+    def speech_budget(self, model: LoadedModel, voice: Voice) -> int:
+        """As far as the engines' fixed CFM noise goes, less the voice's prompt tokens."""
+        budget = model.flow_noise.shape[2] // model.config.token_mel_ratio - voice.speech_tokens.shape[0]
+        return max(0, budget)
+
+    @property
+    def verify_drivers(self) -> tuple[Callable[..., dict[str, Any]], ...]:
+        return (run_llm, run_flow, run_hift)

@@ -1,0 +1,114 @@
+"""Fun-CosyVoice3 (``cosyvoice3.yaml``): CosyVoice2's LLM and flow stages on the v3 graphs.
+
+What differs from CosyVoice2 (``models.v2.family``): the LLM vocabulary (200 speech specials),
+the DiT flow (no attention before the estimator), the causal HiFT with the engines' fixed NSF
+buffer (``V3VocoderStage``), silent-token filtering (``V3Request``) and the prompts:
+
+* prompts must hold ``<|endofprompt|>`` (the official LLM asserts it). Zero-shot prompt text is
+  ``"You are a helpful assistant.<|endofprompt|>" + transcript`` (the layout of the official
+  examples); cross-lingual voices give the LLM ``"You are a helpful assistant.<|endofprompt|>"``
+  alone (the official examples put it in front of the text to speak, which gives the same LLM
+  sequence); instructions become ``"You are a helpful assistant. " + instruction + "<|endofprompt|>"``.
+  Texts that already contain the marker are used as given.
+* Longest segment: as far as the fixed CFM noise and the fixed HiFT noise (60 s) both go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from ...frontend.tokenizer import ENDOFPROMPT
+from ...frontend.voice import Voice
+from ...pipeline import Request
+from ...pipeline_families import V3Request, V3Stages
+from ...runtime.graphs import GraphSpec
+from ...runtime.model import LoadedModel
+from ...stages.flow import FlowStage
+from ...stages.llm import LLMStage
+from ...synthesis import LLMPrompt
+from ..v2.family import V2Family, V2QualityFeeds
+from .config import V3ModelConfig, v3_config_from_release_dir
+from .graphs import GRAPHS_V3
+from .stages import V3VocoderStage
+from .verify import run_flow_v3, run_hift_v3, run_llm_v3
+
+__all__ = ["V3_SYSTEM_PROMPT", "V3Family"]
+
+V3_SYSTEM_PROMPT: Final = "You are a helpful assistant."
+
+
+class V3QualityFeeds(V2QualityFeeds):
+    """CosyVoice2's LLM and flow feeds; the vocoder runs ``V3VocoderStage`` on the fixed NSF buffer."""
+
+    def vocoder_draws(self, model: LoadedModel, frames: int, seed: int) -> dict[str, np.ndarray]:
+        # the fixed NSF buffer prefix: the engines' own, identical in an fp32 and a derived directory
+        return {"sine_noise": np.asarray(model.hift_noise, np.float32)}
+
+    def wav(self, model: LoadedModel, mel: np.ndarray, draws: dict[str, np.ndarray]) -> np.ndarray:
+        runners = model.runners
+        vocoder = V3VocoderStage(runners["hift"], runners["hift_stream"], draws["sine_noise"], model.config.hift)
+        return vocoder.vocode(mel, final=True)["wav"]
+
+
+class V3Family(V2Family):
+    """Fun-CosyVoice3-0.5B."""
+
+    name = "v3"
+    title = "CosyVoice3"
+    yaml_name = "cosyvoice3.yaml"
+    speech_tokenizer_file = "speech_tokenizer_v3.onnx"
+    config_class = V3ModelConfig
+    request_class: type[Request] = V3Request
+    fixed_hift_noise = True
+    quality = V3QualityFeeds()
+
+    @property
+    def graphs(self) -> Mapping[str, GraphSpec]:
+        return GRAPHS_V3
+
+    def read_config(self, model_dir: Path) -> V3ModelConfig:
+        return v3_config_from_release_dir(model_dir)
+
+    def _stages(self, model: LoadedModel, llm: LLMStage, flow: FlowStage) -> Any:
+        runners = model.runners
+        vocoder = V3VocoderStage(runners["hift"], runners["hift_stream"], model.hift_noise, model.config.hift)
+        return V3Stages(llm=llm, flow=flow, vocoder=vocoder)
+
+    def prompt_text_for_voice(self, transcript: str) -> str:
+        """The system prompt and marker go in front of a transcript that has no marker."""
+        if ENDOFPROMPT not in transcript:
+            return f"{V3_SYSTEM_PROMPT}{ENDOFPROMPT}{transcript}"
+        return transcript
+
+    def _instruct_prefix(self, instruct: str) -> str:
+        if not instruct.startswith(V3_SYSTEM_PROMPT):
+            return f"{V3_SYSTEM_PROMPT} {instruct}"
+        return instruct
+
+    def _zero_shot_prompt(
+        self,
+        voice: Voice,
+        has_text: bool,
+        text_ids: np.ndarray,
+        speech_ids: np.ndarray,
+        encode: Callable[[str], list[int]],
+    ) -> LLMPrompt:
+        if not (has_text and ENDOFPROMPT in voice.prompt_text):
+            system = np.asarray(encode(V3_SYSTEM_PROMPT + ENDOFPROMPT), np.int64)  # [Ns]
+            return LLMPrompt(np.concatenate([system, text_ids]), speech_ids)
+        return LLMPrompt(text_ids, speech_ids)
+
+    def speech_budget(self, model: LoadedModel, voice: Voice) -> int:
+        """CosyVoice2's budget, capped by the engines' fixed HiFT noise."""
+        config = model.config
+        budget = model.flow_noise.shape[2] // config.token_mel_ratio - voice.speech_tokens.shape[0]
+        hift_frames = model.hift_noise.shape[1] // config.hift.samples_per_frame
+        return max(0, min(budget, hift_frames // config.token_mel_ratio))
+
+    @property
+    def verify_drivers(self) -> tuple[Callable[..., dict[str, Any]], ...]:
+        return (run_llm_v3, run_flow_v3, run_hift_v3)
