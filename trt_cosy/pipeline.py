@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 
+from .runtime.run_scope import RunCancelled, RunScope
+from .runtime.work_gate import RENDER_GATE, GateCancelled
 from .stages.flow import FlowStage
 from .stages.llm import LLMStage
 from .stages.sampling import RASSampler
@@ -33,7 +35,15 @@ if TYPE_CHECKING:
     from .config import ModelConfig
     from .frontend.voice import Voice
 
-__all__ = ["TokenFeed", "Cancelled", "Stages", "Request", "render_chunk", "iterate_in_thread"]
+__all__ = [
+    "TokenFeed",
+    "Cancelled",
+    "Stages",
+    "Request",
+    "CancellableChunks",
+    "render_chunk",
+    "iterate_in_thread",
+]
 
 _LOGGER = logging.getLogger(__name__)
 _JOIN_WARN_S: Final = 30.0
@@ -267,12 +277,15 @@ class Request:
         llm_rng, self.vocoder_rng = request_rngs(seed)
         self.sampler = RASSampler.from_config(config.llm, llm_rng)
         self.feed = TokenFeed(self._decode, len(segments))
+        self.runs = RunScope()  # the flow/vocoder runs in progress, aborted by cancel()
         self.first_audio_s: float | None = None
         self._audio_s = 0.0
 
     def cancel(self) -> None:
-        """Stop the work soon, from any thread: the generator ends at its next wait for tokens."""
+        """Stop the work soon, from any thread: the LLM after its current step, a running flow or
+        vocoder graph at its next node (backends that can abort a run); the generator then ends."""
         self.feed.cancel()
+        self.runs.cancel()
 
     def _decode(self, index: int) -> Iterator[int]:
         """The speech tokens of segment ``index`` (lazy; runs in the LLM worker thread)."""
@@ -340,13 +353,22 @@ class Request:
             if plan is None:  # cannot happen: wait returns when the next chunk is ready
                 continue
             rendered = time.perf_counter()
+            # Bounded render work in flight (memory); cancel() aborts a flow or vocoder graph mid-run.
+            weight = self.voice.speech_tokens.shape[0] + plan.end
+            # The LLM worker pauses while the first chunk renders (llm_yield), so the flow gets the cores.
             hold = self.llm_yield == "always" or (self.llm_yield == "first" and self.first_audio_s is None)
-            if hold:
-                self.feed.hold()
             try:
-                samples, flow_s, vocoder_s = self._render(tokens, plan, cache)
-            finally:
-                self.feed.release()
+                with RENDER_GATE.hold(weight, lambda: self.feed.cancelled), self.runs.active():
+                    if hold:
+                        self.feed.hold()
+                    try:
+                        samples, flow_s, vocoder_s = self._render(tokens, plan, cache)
+                    finally:
+                        self.feed.release()
+            except (RunCancelled, GateCancelled):
+                raise Cancelled("the request was cancelled") from None
+            if self.feed.cancelled:  # cancelled while rendering: drop the chunk, stop now
+                raise Cancelled("the request was cancelled")
             is_last = plan.final and index == len(self.segments) - 1
             timings = self._timings(index, plan, samples, started, rendered - waited, flow_s, vocoder_s)
             yield AudioChunk(
@@ -400,6 +422,29 @@ class Request:
             ", ".join(f"{key}={value:.3g}" for key, value in timings.items()),
         )
         return timings
+
+
+class CancellableChunks(Iterator[AudioChunk]):
+    """``Request.chunks()`` plus ``cancel()``, which another thread (a server's event loop) may call
+    while this iterator runs in a worker: the LLM stops after its current step, and the iterator
+    ends (``StopIteration``) at its next check, a chunk being rendered is dropped.
+
+    ``close()`` is the generator's: only from the thread that iterates, or when it is idle.
+    """
+
+    def __init__(self, request: Request):
+        self.request = request
+        self._chunks = request.chunks()
+
+    def __next__(self) -> AudioChunk:
+        return next(self._chunks)
+
+    def cancel(self) -> None:
+        """Stop the work soon (thread-safe, idempotent)."""
+        self.request.cancel()
+
+    def close(self) -> None:
+        self._chunks.close()
 
 
 _DONE: Final = object()

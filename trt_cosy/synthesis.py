@@ -33,6 +33,7 @@ __all__ = [
     "Segment",
     "LLMPrompt",
     "plan_segments",
+    "check_text",
     "segment_token_limit",
     "llm_prompt",
     "request_rngs",
@@ -218,6 +219,31 @@ def _only_punctuation(text: str) -> bool:
     return all(unicodedata.category(char)[0] in "PSZ" or char.isspace() for char in text)
 
 
+def check_text(text: object, what: str = "text") -> str:
+    """``text`` when it is a ``str`` of valid Unicode without control characters; else ``InputError``.
+
+    Refused: lone UTF-16 surrogates (U+D800-U+DFFF; JSON's ``"\\ud800"`` decodes to one, and no
+    tokenizer can encode it) and control characters (category Cc: NUL, ESC, DEL, C1) other than
+    whitespace (tab, newlines, form feed). Format characters (zero-width joiner, BOM, bidi marks)
+    are ordinary text and pass.
+    """
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be a str, got {type(text).__name__}.")
+    for position, char in enumerate(text):
+        category = unicodedata.category(char)
+        if category == "Cs":
+            raise InputError(
+                f"{what} has an unpaired UTF-16 surrogate U+{ord(char):04X} at character {position}; "
+                "send valid Unicode (a surrogate must be half of a pair, such as \\ud83d\\ude00)."
+            )
+        if category == "Cc" and not char.isspace():
+            raise InputError(
+                f"{what} has the control character U+{ord(char):04X} at character {position}; remove "
+                "control characters (NUL, escape sequences...) from the text."
+            )
+    return text
+
+
 def plan_segments(
     text: str,
     split: Callable[[str], list[str]] | None,
@@ -234,11 +260,11 @@ def plan_segments(
         limit: the most text tokens one segment may have.
 
     Raises:
-        InputError: the text is not a string, is empty, whitespace or punctuation only, or a segment
-            has more than ``limit`` tokens.
+        InputError: the text is not a string, has a lone surrogate or a control character
+            (``check_text``), is empty, whitespace or punctuation only, or a segment has more than
+            ``limit`` tokens.
     """
-    if not isinstance(text, str):
-        raise InputError(f"text must be a str, got {type(text).__name__}.")
+    check_text(text)
     if not text.strip():
         raise InputError("the text is empty; pass the words to speak.")
     if _only_punctuation(text):

@@ -33,7 +33,7 @@ from .frontend.text import TextNormalizer
 from .frontend.tokenizer import QwenTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder
 from .models.registry import family_named
-from .pipeline import Request, iterate_in_thread
+from .pipeline import CancellableChunks, Request, iterate_in_thread
 from .runtime.model import LoadedModel
 from .runtime.ort import LazyOrtRunner
 from .synthesis import (
@@ -41,6 +41,7 @@ from .synthesis import (
     EngineConfig,
     LLMPrompt,
     SynthesisConfig,
+    check_text,
     plan_segments,
     write_audio,
 )
@@ -235,6 +236,8 @@ class CosyVoice:
         Raises:
             InputError: unreadable, too short, too long or silent audio.
         """
+        if text is not None:
+            check_text(text, "the voice's transcript")
         if text is None or not text.strip():
             return self.voice_builder.from_wav(path)
         prompt_text = self.normalizer.normalize(families.prompt_text_for_voice(self.family, text))
@@ -253,7 +256,8 @@ class CosyVoice:
 
         The text and voice are checked at once (``InputError`` with what to do); the models are
         lazy: nothing runs until you iterate, and closing the iterator stops the work (the LLM
-        worker thread stops after its current token). One ``CosyVoice`` serves many threads at
+        worker thread stops after its current token). Its ``cancel()`` may be called from another
+        thread while a worker iterates: the iteration then ends at the next LLM step or chunk. One ``CosyVoice`` serves many threads at
         once; the same seed gives the same audio whatever else runs.
 
         Args:
@@ -264,7 +268,7 @@ class CosyVoice:
             seed: the same seed gives the same audio; None draws fresh entropy.
             config: per-call options (``instruct``, ``stream``...); None for the defaults.
         """
-        return self._request(text, voice, seed, config).chunks()
+        return CancellableChunks(self._request(text, voice, seed, config))
 
     async def asynthesize(
         self,
@@ -327,6 +331,7 @@ class CosyVoice:
         """
         instruct_ids = None
         if instruct is not None:
+            check_text(instruct, "instruct")
             text = families.instruct_text(self.family, instruct, self.normalizer.normalize)
             instruct_ids = np.asarray(self.tokenizer.encode(text), np.int64)  # [Ni]
         return families.llm_prompt_for(self.family, voice, instruct_ids, self.tokenizer.encode)

@@ -12,6 +12,7 @@ from typing import Any, Final
 import numpy as np
 
 from ..errors import EngineMismatchError, InputError, MissingDependencyError, ModelDirError, require
+from . import run_scope
 
 __all__ = [
     "OrtRunner",
@@ -32,6 +33,8 @@ _SHARED_ARENA_LOCK: Final = threading.Lock()
 # Engines use MultiHeadAttention with a head-broadcast attention_bias and GroupQueryAttention with
 # rotary inside: 1.18 rejects the bias shape, 1.20 returns NaN for it; 1.22 matches 1.32 to 1e-6.
 MIN_ENGINE_ORT: Final = (1, 22)
+# The vocoder graphs of every family: the last graph run of each chunk (``_shrinks_after``).
+_SHRINK_AFTER_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift"})
 _shared_arena_state: list[bool] = []  # [registered?] once tried: one process-wide CPU arena
 
 
@@ -104,6 +107,16 @@ def use_shared_arena(options: Any) -> bool:
     if _shared_arena_state[0]:
         options.add_session_config_entry("session.use_env_allocators", "1")
     return _shared_arena_state[0]
+
+
+def _shrinks_after(graph: str) -> bool:
+    """Whether a request's run of ``graph`` ends with an arena shrink.
+
+    ``TRT_COSY_ARENA_SHRINK``: ``1`` (default) after the vocoder graphs (the end of each chunk),
+    ``all`` after every flow and vocoder run (slower: the Euler steps reallocate), ``0`` never.
+    """
+    mode = os.environ.get("TRT_COSY_ARENA_SHRINK", "1")
+    return mode == "all" or (mode != "0" and graph in _SHRINK_AFTER_GRAPHS)
 
 
 def _load_error(exported: bool) -> tuple[type[Exception], str]:
@@ -199,7 +212,25 @@ class OrtRunner:
                 "Feed every input by name."
             )
         session_feed = {key: self._cast(key, feed[key]) for key in self._inputs}
-        outputs = self.session.run(list(self._outputs), session_feed)
+        scope = run_scope.current()
+        if scope is None:
+            outputs = self.session.run(list(self._outputs), session_feed)
+            return dict(zip(self._outputs, outputs, strict=True))
+        # A request's scope: its cancel() sets ``terminate`` and ORT stops at the next node.
+        options = require("onnxruntime", "cpu").RunOptions()
+        if _shrinks_after(self.name):
+            # Return the arena's free regions after the vocoder, the last graph of every chunk: a
+            # long render's working memory is not kept for good ("Memory under load").
+            options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        scope.register(options)
+        try:
+            outputs = self.session.run(list(self._outputs), session_feed, options)
+        except Exception:
+            if scope.cancelled:
+                raise run_scope.RunCancelled(f"graph '{self.name}' stopped: request cancelled") from None
+            raise
+        finally:
+            scope.unregister(options)
         return dict(zip(self._outputs, outputs, strict=True))
 
     def _cast(self, key: str, value: np.ndarray) -> np.ndarray:

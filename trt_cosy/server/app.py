@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import InputError
+from ..runtime.heap import return_large_blocks
 from ..synthesis import SynthesisConfig
 from .access_log import AccessLog
 from .audio_encoding import available_formats
@@ -37,6 +38,7 @@ from .playground import playground_router
 from .settings import ServerSettings
 from .speech import speech_router
 from .state import ServerState
+from .timeouts import BodyReadTimeout
 from .voices_api import voices_router
 from .voices_store import VoiceStore
 
@@ -71,6 +73,7 @@ def warm_up(tts: Any) -> None:
 
 def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
     """The server app for a loaded engine (``CosyVoice``); voices are read from ``settings.voices_dir``."""
+    return_large_blocks()  # RSS returns after bursts of long requests ("Memory under load")
     metrics = Metrics()
     state = ServerState(
         tts=tts,
@@ -105,6 +108,7 @@ def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
         metrics.errors.labels(path_label(path), "body_too_large").inc()
 
     app.add_middleware(BodySizeLimit, limit_for=limit_for, on_refused=refused)
+    app.add_middleware(BodyReadTimeout, timeout_s=settings.body_timeout_s)
     if settings.api_key is not None:  # before the body limit: a caller without the key gets 401, not 413
 
         def unauthorized(path: str, code: str) -> None:
@@ -182,11 +186,18 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        codes = {
+            400: "invalid_body",  # FastAPI's "There was an error parsing the body", malformed multipart
+            404: "not_found",
+            405: "method_not_allowed",
+            408: "request_timeout",
+            413: "body_too_large",
+        }
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}; see GET /docs for the routes."
-        return answer(request, exc.status_code, message, codes.get(exc.status_code, "http_error"))
+        code = getattr(exc, "code", None) or codes.get(exc.status_code, "http_error")
+        return answer(request, exc.status_code, message, code, getattr(exc, "param", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,12 +1,15 @@
 """One request's synthesis: the engine's lazy generator pulled chunk by chunk in a worker thread.
 
 The generator runs one chunk at a time in a thread (``anyio.to_thread``), so the event loop stays
-free. A worker thread cannot be interrupted, so cancellation (client gone, timeout) takes effect
-at the next chunk boundary: the generator is then closed, which stops the engine's work.
+free. A worker thread cannot be interrupted, but the engine's iterator has a thread-safe
+``cancel()`` (``pipeline.CancellableChunks``): when the waiting task is cancelled (client gone) the
+job calls it, the engine stops at its next LLM step or chunk, and the thread returns; the generator
+is then closed. Iterators without ``cancel()`` stop at the next chunk boundary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -20,7 +23,7 @@ from .errors import APIError
 from .limits import Slot
 from .metrics import Metrics
 
-__all__ = ["SynthesisJob", "stream_body", "collect"]
+__all__ = ["SynthesisJob", "stream_body", "collect", "cancel_on_disconnect"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -54,10 +57,28 @@ class SynthesisJob:
         self._audio_s = 0.0
         self._count = 0
         self._closed = False
+        self._cancel_reason: str | None = None
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def cancelled(self) -> bool:
+        """``cancel`` was called: the job ends without its remaining audio."""
+        return self._cancel_reason is not None
+
+    def cancel(self, reason: str = "disconnect") -> None:
+        """Ask the engine to stop soon, even while a chunk is being computed (idempotent).
+
+        The job closes (with ``reason``) when its running chunk returns.
+        """
+        if self._closed or self._cancel_reason is not None:
+            return
+        self._cancel_reason = reason
+        cancel = getattr(self._chunks, "cancel", None)
+        if cancel is not None:
+            cancel()
 
     async def next(self) -> AudioChunk | None:
         """The next chunk, or None when the synthesis is complete (the job is then closed).
@@ -67,28 +88,60 @@ class SynthesisJob:
         """
         if self._closed:
             return None
+        if self._cancel_reason is not None:
+            self.close(self._cancel_reason)
+            return None
         if time.perf_counter() > self._deadline:
             self.close("timeout")
             raise APIError(
                 504, f"the synthesis took longer than the {self._timeout_s:g} s request timeout.", "timeout"
             )
         try:
-            # Not abandoned on cancel: a cancellation waits for the running chunk, then close() is safe.
-            chunk = await anyio.to_thread.run_sync(next, self._chunks, None)
+            chunk = await self._pull()
         except anyio.get_cancelled_exc_class():
-            self.close("disconnect")  # the request's scope was cancelled: its client went away
+            self.close(self._cancel_reason or "disconnect")  # the request's scope was cancelled
             raise
         except BaseException:
             self.close("error")
             raise
-        if chunk is None:
-            self.close()
+        if chunk is None or self._cancel_reason is not None:
+            self.close(self._cancel_reason)
             return None
         if self._count == 0:
             self._metrics.first_audio.observe(time.perf_counter() - self._received_at)
         self._count += 1
         self._audio_s += chunk.duration
         return chunk
+
+    async def _pull(self) -> AudioChunk | None:
+        """The engine's next chunk, computed in a worker thread.
+
+        The thread is never abandoned (closing a generator that runs would fail): when the waiting
+        task is cancelled, the engine is told to stop (``cancel``) and the thread is waited for
+        (shielded), which takes at most one LLM step or chunk render.
+        """
+        outcome: dict[str, object] = {}
+        done = anyio.Event()
+
+        async def pull() -> None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    outcome["chunk"] = await anyio.to_thread.run_sync(next, self._chunks, None)
+                except BaseException as exc:  # raised again in the waiting task
+                    outcome["error"] = exc
+                finally:
+                    done.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(pull)
+            try:
+                await done.wait()
+            except anyio.get_cancelled_exc_class():
+                self.cancel(self._cancel_reason or "disconnect")
+                raise  # the task group waits for the shielded thread first
+        if "error" in outcome:
+            raise outcome["error"]  # type: ignore[misc]
+        return outcome.get("chunk")  # type: ignore[return-value]
 
     def close(self, reason: str | None = None) -> None:
         """Stop the engine generator and free the slot; ``reason`` None means it completed."""
@@ -111,19 +164,40 @@ class SynthesisJob:
         self._metrics.audio_seconds.inc(self._audio_s)
 
 
-async def collect(
-    job: SynthesisJob, first: AudioChunk, disconnected: Callable[[], Awaitable[bool]]
-) -> np.ndarray | None:
-    """All the audio of ``job`` (float32 [N]); None when the client went away (the job is closed)."""
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(job: SynthesisJob, receive: Callable[[], Awaitable[dict]]):
+    """While the block runs, a watcher waits on ``receive`` (the request's ASGI receive, its body
+    already read) for the client's disconnect and then cancels ``job`` at once, even in the middle
+    of a chunk. Exceptions of the block pass unchanged."""
+
+    async def watch_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        job.cancel("disconnect")
+
+    failure: Exception | None = None
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch_disconnect)
+        try:
+            yield
+        except Exception as exc:  # raised after the group, unwrapped (a group would wrap it)
+            failure = exc
+        group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+
+
+async def collect(job: SynthesisJob, first: AudioChunk) -> np.ndarray | None:
+    """All the audio of ``job`` (float32 [N]); None when it was cancelled (the job is closed).
+
+    Run it under ``cancel_on_disconnect`` so that a client that leaves stops the work at once.
+    """
     pieces = [first.samples]
-    while True:
-        if await disconnected():
-            job.close("disconnect")
-            return None
-        chunk = await job.next()
-        if chunk is None:
-            return np.concatenate(pieces)  # [N]
+    while (chunk := await job.next()) is not None:
         pieces.append(chunk.samples)
+    if job.cancelled:
+        return None
+    return np.concatenate(pieces)  # [N]
 
 
 async def stream_body(

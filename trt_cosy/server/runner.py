@@ -18,9 +18,20 @@ _LOGGER = logging.getLogger(__name__)
 def _config(app: Any, host: str, port: int, log_level: str):
     import uvicorn
 
+    from .timeouts import header_timeout_protocol
+
+    # The app's settings (``create_app``) give the header deadline; other ASGI apps get the default.
+    state = getattr(getattr(app, "state", None), "server", None)
+    header_timeout_s = state.settings.header_timeout_s if state is not None else 10.0
     # timeout_graceful_shutdown: open streams get this long to finish on Ctrl-C, then are cut.
     return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10, access_log=False
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=10,
+        access_log=False,
+        http=header_timeout_protocol(header_timeout_s),
     )
 
 

@@ -43,6 +43,11 @@ class ServerSettings:
     stream_speech: bool = True
     """``/v1/audio/speech`` streams wav and pcm as they are made when the body has no ``stream`` field (as
     OpenAI's API does); False: only when the body says ``"stream": true``. ``/tts`` streams only on request."""
+    header_timeout_s: float = 10.0
+    """A request's headers must be complete this many seconds after the connection opens or its
+    previous response ends; else 408 and the connection is closed (slow clients)."""
+    body_timeout_s: float = 30.0
+    """Each read of an unfinished request body must return within this many seconds; else 408."""
     warmup: bool = True
     """Synthesise once at start; ``/health`` says ready only after it."""
     api_key: str | None = field(default=None, repr=False)
@@ -57,7 +62,7 @@ class ServerSettings:
                 raise InputError(f"{name} must be a positive integer, got {value!r}.")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InputError(f"max_queue must be a non-negative integer, got {self.max_queue!r}.")
-        for name in ("request_timeout_s", "max_upload_seconds"):
+        for name in ("request_timeout_s", "max_upload_seconds", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)!r}.")
         if self.api_key is not None and not (

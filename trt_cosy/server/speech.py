@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..synthesis import SynthesisConfig
 from .audio_encoding import STREAMING_FORMATS, check_format, content_type, encode_audio
 from .errors import APIError
-from .jobs import SynthesisJob, collect, stream_body
+from .jobs import SynthesisJob, cancel_on_disconnect, collect, stream_body
 from .state import ServerState
 
 __all__ = ["SpeechRequest", "SimpleTTSRequest", "speech_router"]
@@ -118,10 +118,15 @@ async def _synthesize(
         raise
     job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s)
     try:
-        first = await job.next()
+        # A client that leaves cancels the work at once (mid-chunk), streamed or not.
+        async with cancel_on_disconnect(job, request.receive):
+            first = await job.next()
+            samples = None if streaming or first is None else await collect(job, first)
     except BaseException:
         job.close("error")
         raise
+    if job.cancelled:
+        raise APIError(499, "the client closed the request.", "client_closed")
     if first is None:  # cannot happen with CosyVoice (a request has at least one segment)
         raise APIError(500, "the engine produced no audio for this text.", "no_audio")
     sample_rate = first.sample_rate
@@ -130,7 +135,6 @@ async def _synthesize(
     if streaming:
         body = stream_body(job, first, response_format, sample_rate)
         return SynthesisResponse(job, body, media_type=media_type, headers=headers)
-    samples = await collect(job, first, request.is_disconnected)
     if samples is None:
         raise APIError(499, "the client closed the request.", "client_closed")
     data = await anyio.to_thread.run_sync(encode_audio, samples, sample_rate, response_format)

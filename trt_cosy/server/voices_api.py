@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, File, Form, UploadFile
+from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ..errors import InputError
+from ..synthesis import check_text
 from .errors import APIError
 from .state import ServerState
 from .voices_store import check_name
@@ -43,9 +48,73 @@ def _audio_seconds(path: Path) -> float:
     return info.frames / info.samplerate
 
 
-async def _save_upload(upload: UploadFile, limit: int) -> Path:
-    """Copy the upload to a private temp file, refusing more than ``limit`` bytes (413)."""
-    handle, name = tempfile.mkstemp(prefix="trt-cosy-upload-", suffix=Path(upload.filename or "").suffix[:8])
+class InvalidFormField(HTTPException):
+    """A form field that is not text in the declared charset (UTF-8 unless the request says otherwise).
+
+    An ``HTTPException`` because FastAPI re-raises those from body parsing; ``code`` and ``param``
+    reach the JSON error body (``app._add_error_handlers``).
+    """
+
+    def __init__(self, field: str, charset: str):
+        super().__init__(
+            400,
+            f"the form field {field!r} is not valid {charset} text; send it encoded as {charset}.",
+        )
+        self.code = "invalid_form_encoding"
+        self.param = field
+
+
+class _StrictMultiPartParser(MultiPartParser):
+    """Starlette's parser, except that a field whose bytes are not valid in the charset is refused
+    (Starlette silently decodes those as latin-1, which stores mojibake)."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode(self._charset)
+            except UnicodeDecodeError:
+                raise InvalidFormField(part.field_name, self._charset) from None
+        super().on_part_end()
+
+
+class _StrictFormRequest(Request):
+    async def _get_form(self, *, max_files=1000, max_fields=1000, max_part_size=1024 * 1024):
+        content_type = self.headers.get("content-type", "")
+        if self._form is None and content_type.lower().startswith("multipart/form-data"):
+            parser = _StrictMultiPartParser(
+                self.headers,
+                self.stream(),
+                max_files=max_files,
+                max_fields=max_fields,
+                max_part_size=max_part_size,
+            )
+            try:
+                self._form = await parser.parse()
+            except MultiPartException as exc:
+                raise HTTPException(400, f"the multipart body is malformed: {exc.message}") from None
+        return await super()._get_form(
+            max_files=max_files, max_fields=max_fields, max_part_size=max_part_size
+        )
+
+
+class _StrictFormRoute(APIRoute):
+    """A route whose multipart form fields must decode in their charset (400 ``invalid_form_encoding``)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict_handler(request: Request):
+            return await handler(_StrictFormRequest(request.scope, request.receive))
+
+        return strict_handler
+
+
+async def _save_upload(upload: UploadFile, limit: int, folder: Path) -> Path:
+    """Copy the upload to a private file in ``folder``, refusing more than ``limit`` bytes (413)."""
+    handle, name = tempfile.mkstemp(
+        prefix="upload-", suffix=Path(upload.filename or "").suffix[:8], dir=folder
+    )
     size = 0
     try:
         with os.fdopen(handle, "wb") as sink:
@@ -66,7 +135,7 @@ async def _save_upload(upload: UploadFile, limit: int) -> Path:
 
 
 def voices_router(state: ServerState) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=_StrictFormRoute)
 
     @router.get("/v1/voices")
     async def list_voices() -> dict:
@@ -92,8 +161,15 @@ def voices_router(state: ServerState) -> APIRouter:
             raise APIError(
                 400, f"text is longer than {settings.max_input_chars} characters.", "text_too_long", "text"
             )
-        path = await _save_upload(file, settings.max_upload_bytes)
+        if text is not None:
+            try:
+                check_text(text, "text")
+            except InputError as exc:
+                raise APIError(400, str(exc), "invalid_text", "text") from None
+        # In the voices folder's own staging area: a crash leaves it to ``VoiceStore.load`` to clean.
+        staging = await anyio.to_thread.run_sync(state.store.staging_dir, "upload")
         try:
+            path = await _save_upload(file, settings.max_upload_bytes, staging)
             seconds = await anyio.to_thread.run_sync(_audio_seconds, path)
             if seconds > settings.max_upload_seconds:
                 raise APIError(
@@ -113,7 +189,7 @@ def voices_router(state: ServerState) -> APIRouter:
             finally:
                 slot.release()
         finally:
-            path.unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
         stored = await anyio.to_thread.run_sync(state.store.add, name, voice, overwrite)
         return JSONResponse(stored.describe(), status_code=201)
 

@@ -103,6 +103,12 @@ class VoiceStore:
         _LOGGER.info("loaded %d voice(s) from %s", len(loaded), self.folder)
         return len(loaded)
 
+    def staging_dir(self, purpose: str) -> Path:
+        """A new private folder in the voices folder (``.staging-<purpose>-*``) for work files; the
+        caller removes it, and ``load`` removes any left by a crash."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".staging-{purpose}-", dir=self.folder))
+
     def get(self, name: str) -> StoredVoice:
         with self._lock:
             stored = self._voices.get(name)

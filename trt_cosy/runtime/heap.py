@@ -1,0 +1,40 @@
+"""Return freed memory to the operating system (glibc ``mallopt``), for long-running servers.
+
+glibc serves allocations under a *dynamic* mmap threshold (it rises to 32 MiB after large blocks
+are freed) from heaps that it rarely returns to the OS, one heap per thread that allocated. A
+server whose render threads allocate and free tens of MiB per chunk (ONNX Runtime arena regions,
+numpy temporaries) so keeps its high-water mark for good. A fixed threshold makes every block of
+``threshold`` bytes or more its own mapping, unmapped when freed: RSS follows the work in flight
+(docs/benchmarks.md, "Memory under load"). The same as ``MALLOC_MMAP_THRESHOLD_=131072``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+from typing import Final
+
+__all__ = ["return_large_blocks", "DEFAULT_MMAP_THRESHOLD"]
+
+_LOGGER = logging.getLogger(__name__)
+
+DEFAULT_MMAP_THRESHOLD: Final = 128 * 1024  # glibc's initial value, kept fixed
+_M_MMAP_THRESHOLD: Final = -3  # from <malloc.h>
+
+
+def return_large_blocks(threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes for this process; False where not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others have no mallopt
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    _LOGGER.debug("glibc mmap threshold fixed at %d bytes: %s", threshold, ok)
+    return ok
