@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import EngineMismatchError, InputError, ModelDirError, TrtCosyError
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "CosyVoice",
