@@ -15,8 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import EngineMismatchError, InputError, ModelDirError, TrtCosyError
-
-__version__ = "0.3.0"
+from .version import __version__
 
 __all__ = [
     "CosyVoice",

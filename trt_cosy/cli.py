@@ -9,9 +9,9 @@ from pathlib import Path
 
 import click
 
-from . import __version__
 from .errors import InputError, TrtCosyError
 from .serving.cli import ray_serve_options, triton_repo
+from .version import __version__
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -34,13 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from .. import __version__
 from ..config import QWEN_DIR, ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..models.registry import family_named
 from ..runtime.engines import MODEL_CONFIG_NAME, TOKENIZER_DIR
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord, hash_checkpoint
 from ..runtime.openvino import OV_PRECISIONS
+from ..version import __version__
 from .export import OPSET, ExportResult, onnx_io_specs
 from .family_engines import (
     check_family_options,

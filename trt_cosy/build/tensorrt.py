@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from .. import __version__
 from ..config import ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..models.registry import family_named
@@ -53,6 +52,7 @@ from ..runtime.trt import (
     shared_runtime,
     trt_logger,
 )
+from ..version import __version__
 
 __all__ = [
     "TRT_PRECISIONS",

@@ -19,11 +19,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
-from .. import __version__
 from ..config import QWEN_DIR, YAML_BY_FAMILY, ModelConfig
 from ..errors import EngineMismatchError, ModelDirError
 from ..models.registry import family_named, family_of_release
 from ..models.v1.config import V1ModelConfig
+from ..version import __version__
 
 __all__ = [
     "MANIFEST_NAME",

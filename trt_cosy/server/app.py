@@ -24,10 +24,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
 from ..errors import InputError
 from ..runtime.heap import return_large_blocks
 from ..synthesis import SynthesisConfig
+from ..version import __version__
 from .access_log import AccessLog
 from .audio_encoding import available_formats
 from .auth import BearerAuth
