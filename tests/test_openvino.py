@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 ov = pytest.importorskip("openvino", reason="the OpenVINO backend needs `pip install 'trt-cosy[openvino]'`")
 
-from test_families import GOLDEN, family_release  # noqa: E402
+from _support import GOLDEN, family_release  # noqa: E402
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.bench.quality import QualityInputs, quality_guard  # noqa: E402
