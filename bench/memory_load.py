@@ -2,7 +2,7 @@
 speed cost of ONNX Runtime's arena shrinkage (A/B, alternating, one process).
 
     python bench/memory_load.py --engines /tmp/tiny-engines
-    flock /work/fullsize/heavy.lock python bench/memory_load.py --engines /work/fullsize/int4 --concurrency 8
+    python bench/memory_load.py --engines /tmp/perf-full/int4 --concurrency 8
 
 The text is one sentence of ``--words`` words: one segment, as long as the sentence splitter makes
 them, so the flow and the vocoder run on the longest shapes a request reaches (a longer text only
