@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +35,13 @@ class _Group(click.Group):
             sys.exit(2)
         except KeyboardInterrupt as exc:
             click.echo(f"interrupted ({signal_name(exc)})", err=True)
+            if threading.active_count() > 1:
+                # The main thread's cleanup (temporary files) has run. Engine threads may still be inside
+                # ONNX Runtime (the shared LLM decode loop, a graph being cancelled): a normal interpreter
+                # exit would tear them down mid-call and abort ("terminate called ..."); leave at once.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(exit_status(exc))
             sys.exit(exit_status(exc))
 
 

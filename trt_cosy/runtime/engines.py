@@ -78,7 +78,8 @@ def load_engines(
     ``engines_dir/plans`` (``slots`` execution contexts each); a plan built for another GPU,
     TensorRT version or checkpoint is refused, never used. On ONNX Runtime the graphs named in
     ``lazy_graphs`` (default ``LAZY_GRAPHS``: the streaming flow estimator) get a ``LazyOrtRunner``
-    whose session is created by its first call; pass ``()`` to create every session now.
+    whose session is created by its first call, and so do the two LLM graphs when the engines have the
+    batched decode graph (only one of them is used); pass ``()`` to create every session now.
     ``backend="openvino"`` compiles the OpenVINO IR of each graph (``runtime.openvino``; lazy graphs
     on first use); ``backend="auto"`` loads the engines on the backend their manifest names.
     """
@@ -142,12 +143,13 @@ def _load_runners(
                 f"--out {engines_dir}`."
             )
         loader = LazyOrtRunner if name in lazy_graphs else OrtRunner.from_path
-        if name == graphs.LLM.name and graphs.LLM_BATCH.name in manifest.graphs:
+        if lazy_graphs and name == graphs.LLM.name and graphs.LLM_BATCH.name in manifest.graphs:
             loader = LazyOrtRunner  # one of the two LLM sessions is used: do not hold both weights
         runners[name] = loader(engines_dir / record.file, name, threads, exported=True)
     batch = manifest.graphs.get(graphs.LLM_BATCH.name)
     if batch is not None:  # the batched decode graph (stages.llm_batch), created on first use
-        runners[graphs.LLM_BATCH.name] = LazyOrtRunner(
+        batch_loader = LazyOrtRunner if lazy_graphs else OrtRunner.from_path
+        runners[graphs.LLM_BATCH.name] = batch_loader(
             engines_dir / batch.file, graphs.LLM_BATCH.name, threads, exported=True
         )
     return runners
