@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-from _support import BLOCK_TORCH, require_build_extra, tiny_engines, tiny_release
-from click.testing import CliRunner
 
 # Shared fixtures and helpers of the API tests (tests/ is on sys.path under pytest's default import mode).
-from test_tts import REF_TEXT, make_torch_tts, reference_wavs, stub_models
+from _support import BLOCK_TORCH, REF_TEXT, reference_wavs, require_build_extra, tiny_engines, tiny_release
+from _tts_support import make_torch_tts, stub_models
+from click.testing import CliRunner
 
 from trt_cosy import InputError, Voice
 from trt_cosy.cli import main

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from test_streaming import TEXT_60, counting, llm_threads, load_tiny_ort, make_tiny_voice
+from _streaming_support import TEXT_60, counting, llm_threads, load_tiny_ort, make_tiny_voice
 
 from trt_cosy import CosyVoice, InputError, SynthesisConfig
 

@@ -3,7 +3,7 @@
 A real ``TrtRunner`` over a fake step engine whose ``execute_async_v3`` computes the guided Euler
 step in numpy on the bound addresses, with fake cuda bindings over host memory (every call logged);
 on a GPU, the same loop over real cuda-python memory and streams with a copy step (no TensorRT).
-The numpy estimator and the inputs are those of tests/test_flow_step.py.
+The numpy estimator and the inputs are those of tests/test_flow_step.py (tests/_flow_step_support.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_flow_step import CFG_RATE, MELS, _host_solve, _inputs, _NumpyEstimator, _scaled_error, _velocity
+from _flow_step_support import CFG_RATE, MELS, _host_solve, _inputs, _NumpyEstimator, _scaled_error, _velocity
 from trt_fakes import FAKE_TRT, FakeContext, FakeEngine, aligned_block
 
 from trt_cosy.config import ModelConfig

@@ -3,7 +3,7 @@
 Fast: the schedule against ``solve_euler``; the step graph around a hand-made estimator (fp32 and
 fp16 I/O) on ONNX Runtime against the host loop. Slow: the step graph around the exported tiny
 CosyVoice2 estimators (fp32 and fp16) on golden chunks, against the host loop and the golden mel.
-``DeviceEulerLoop`` itself is tested in tests/test_euler_loop.py (which imports the helpers below).
+``DeviceEulerLoop`` itself is tested in tests/test_euler_loop.py (both use tests/_flow_step_support.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _flow_step_support import CFG_RATE, MELS, _host_solve, _inputs, _NumpyEstimator, _scaled_error
 from _support import require_build_extra
 
 from trt_cosy.config import ModelConfig
@@ -24,58 +25,9 @@ from trt_cosy.runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM
 from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.stages.flow import cosine_t_span, solve_euler
 
-CFG_RATE = 0.7
 STEP_TOL = 1e-5  # device loop vs host loop, relative to max(1, |x|): float32 rounding only
 MEL_TOL = 2e-4  # golden README §3: *_flow_mel
 FP16_TOL = 6e-3  # tests/test_precision.py BOUNDS for the estimator (fp16 vs fp32)
-MELS = 80
-
-
-# -- a numpy estimator for the host loop (and tests/test_euler_loop.py's fake engine) -------------------
-
-
-def _velocity(x, mask, mu, t, spks, cond) -> np.ndarray:
-    """A t-, mask- and row-dependent velocity [2, 80, F] (float32 throughout)."""
-    inner = np.float32(0.5) * x + mu - cond + spks[:, :, None]  # [2, 80, F]
-    return (np.tanh(inner) * mask + t[:, None, None]).astype(np.float32)
-
-
-class _NumpyEstimator:
-    """A Runner with the estimator contract; records every feed."""
-
-    name = "numpy_estimator"
-    input_names = FLOW_ESTIMATOR.input_names
-    output_names = FLOW_ESTIMATOR.output_names
-
-    def __init__(self, velocity=_velocity):
-        self.velocity, self.feeds = velocity, []
-
-    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.feeds.append({k: np.array(v, copy=True) for k, v in feed.items()})
-        return {"estimator_out": self.velocity(*(feed[n] for n in self.input_names))}
-
-
-def _inputs(frames: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    mask = np.ones((1, 1, frames), np.float32)  # [1, 1, F]
-    mask[..., frames - frames // 4 :] = 0.0
-    return {
-        "noise": rng.standard_normal((1, MELS, frames), dtype=np.float32),  # [1, 80, F]
-        "mu": rng.standard_normal((1, MELS, frames), dtype=np.float32),  # [1, 80, F]
-        "mask": mask,
-        "spks": rng.standard_normal((1, MELS), dtype=np.float32),  # [1, 80]
-        "cond": rng.standard_normal((1, MELS, frames), dtype=np.float32),  # [1, 80, F]
-    }
-
-
-def _host_solve(estimator, inputs: Mapping[str, np.ndarray], steps: int) -> np.ndarray:
-    i = inputs
-    return solve_euler(estimator, i["mu"], i["mask"], i["spks"], i["cond"], i["noise"], steps, CFG_RATE)
-
-
-def _scaled_error(got: np.ndarray, expected: np.ndarray) -> float:
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    return float(np.abs(got.astype(np.float64) - expected).max()) / max(1.0, float(np.abs(expected).max()))
 
 
 # -- the schedule ------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import onnx
 import pytest
+from _streaming_support import make_tiny_voice
 from _support import shared_tiny_engines
-from test_streaming import make_tiny_voice
 
 from trt_cosy import CosyVoice, InputError, SynthesisConfig
 from trt_cosy.build.ort_llm_batch import derive_batched_llm

@@ -21,12 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-from _support import BLOCK_TORCH, tiny_release
+from _support import BLOCK_TORCH, GOLDEN, family_release, tiny_release
 from click.testing import CliRunner
 
 ov = pytest.importorskip("openvino", reason="the OpenVINO backend needs `pip install 'trt-cosy[openvino]'`")
-
-from _support import GOLDEN, family_release  # noqa: E402
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.bench.quality import QualityInputs, quality_guard  # noqa: E402

@@ -28,9 +28,8 @@ sync_api = pytest.importorskip(
     reason="the browser test drives Chromium with playwright (pip install playwright; no `playwright install`)",
 )
 
-from _support import tiny_engines  # noqa: E402
-from test_server import SAMPLE_RATE, RecordingTTS, running_server, wait_ready  # noqa: E402
-from test_tts import REF_TEXT, reference_wavs  # noqa: E402
+from _server_support import SAMPLE_RATE, RecordingTTS, running_server, wait_ready  # noqa: E402
+from _support import REF_TEXT, reference_wavs, tiny_engines  # noqa: E402
 
 from trt_cosy import CosyVoice, EngineConfig  # noqa: E402
 

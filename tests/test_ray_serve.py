@@ -17,9 +17,8 @@ ray = pytest.importorskip("ray", reason="Ray Serve is needed (pip install 'trt-c
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is needed (pip install 'trt-cosy[ray]')")
 openai = pytest.importorskip("openai", reason="the OpenAI client is needed (pip install openai)")
 
-from _support import tiny_engines  # noqa: E402
-from test_server import running_server, wait_ready  # noqa: E402
-from test_tts import REF_TEXT, reference_wavs  # noqa: E402
+from _server_support import running_server, wait_ready  # noqa: E402
+from _support import REF_TEXT, reference_wavs, tiny_engines  # noqa: E402
 from triton_support import free_ports  # noqa: E402
 
 from trt_cosy import CosyVoice, EngineConfig  # noqa: E402

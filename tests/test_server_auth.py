@@ -17,9 +17,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
-from _support import tiny_release  # noqa: E402
-from fastapi import WebSocket  # noqa: E402  (module level: FastAPI resolves the string annotations here)
-from test_server import (  # noqa: E402
+from _server_support import (  # noqa: E402
+    GOOD,
+    SPEECH,
     RecordingTTS,
     assert_error,
     metric_value,
@@ -27,8 +27,9 @@ from test_server import (  # noqa: E402
     upload_voice,
     wait_ready,
 )
-from test_server_limits import GOOD, SPEECH  # noqa: E402
-from test_tts import make_torch_tts, reference_wavs  # noqa: E402
+from _support import reference_wavs, tiny_release  # noqa: E402
+from _tts_support import make_torch_tts  # noqa: E402
+from fastapi import WebSocket  # noqa: E402  (module level: FastAPI resolves the string annotations here)
 
 from trt_cosy.errors import InputError  # noqa: E402
 from trt_cosy.server import ServerSettings  # noqa: E402

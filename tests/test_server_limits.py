@@ -22,8 +22,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
-from _support import tiny_release  # noqa: E402
-from test_server import (  # noqa: E402
+from _server_support import (  # noqa: E402
+    GOOD,
+    SPEECH,
     RecordingTTS,
     assert_error,
     metric_value,
@@ -31,12 +32,10 @@ from test_server import (  # noqa: E402
     upload_voice,
     wait_ready,
 )
-from test_tts import make_torch_tts, reference_wavs  # noqa: E402
+from _support import reference_wavs, tiny_release  # noqa: E402
+from _tts_support import make_torch_tts  # noqa: E402
 
 from trt_cosy.frontend.voice import Voice  # noqa: E402
-
-SPEECH = "/v1/audio/speech"
-GOOD = {"model": "tts-1", "input": "Hello there.", "voice": "alice"}
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
-from _support import tiny_engines  # noqa: E402
-from test_server import assert_error, running_server, wait_ready  # noqa: E402
-from test_tts import REF_TEXT, reference_wavs  # noqa: E402
+from _server_support import assert_error, running_server, wait_ready  # noqa: E402
+from _support import REF_TEXT, reference_wavs, tiny_engines  # noqa: E402
 
 from trt_cosy import CosyVoice, EngineConfig  # noqa: E402
 from trt_cosy.errors import InputError  # noqa: E402
@@ -255,7 +254,7 @@ def _fuzz_speech_routes(url: str, corpus: list[str]) -> dict[int, int]:
 def test_fuzzed_texts_never_give_5xx_and_keep_the_connection(tts, voices_dir, wavs):
     """300 hostile texts through the real checks (normalise, split, tokenise) of /v1/audio/speech and
     /tts with scripted audio, and through the voice upload's transcript (a real voice each time)."""
-    from test_server import RecordingTTS
+    from _server_support import RecordingTTS
 
     corpus = fuzz_corpus(300)
     with running_server(RecordingTTS(tts, scripted_chunks=1), voices_dir, warmup=False) as url:

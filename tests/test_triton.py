@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _support import tiny_engines
+from _support import REF_TEXT, reference_wavs, tiny_engines
 from click.testing import CliRunner
-from test_tts import REF_TEXT, reference_wavs
 
 from trt_cosy import CosyVoice, EngineConfig
 from trt_cosy.cli import main
