@@ -217,3 +217,15 @@ def test_built_manifest_records_the_reason(no_gpu, tmp_path, v2_tiny_dir):
     manifest = Manifest.read(out)
     assert (manifest.backend, manifest.precision) == ("onnxruntime", "fp32")
     assert manifest.backend_reason.startswith("no CUDA GPU with TensorRT here")
+
+
+@pytest.mark.parametrize(("gpu_reason", "expected"), [(None, "tensorrt"), ("no CUDA device (test)", "onnxruntime")])
+def test_load_auto_runs_tensorrt_engines_on_tensorrt_only_with_a_gpu(tmp_path, monkeypatch, gpu_reason, expected):
+    from trt_cosy.tts import _engine_backend
+
+    monkeypatch.setattr(backend_choice, "gpu_unavailable_reason", lambda: gpu_reason)
+    Manifest(
+        trt_cosy_version="0", backend="tensorrt", precision="fp16", opset=18, checkpoint={}, graphs={}, files={}
+    ).write(tmp_path)
+    assert _engine_backend("auto", tmp_path) == expected
+    assert _engine_backend("onnxruntime", tmp_path) == "onnxruntime"  # an explicit backend wins
