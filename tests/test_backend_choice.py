@@ -229,3 +229,14 @@ def test_load_auto_runs_tensorrt_engines_on_tensorrt_only_with_a_gpu(tmp_path, m
     ).write(tmp_path)
     assert _engine_backend("auto", tmp_path) == expected
     assert _engine_backend("onnxruntime", tmp_path) == "onnxruntime"  # an explicit backend wins
+
+
+def test_build_onnx_only_means_tensorrt_inputs_on_any_machine(no_gpu, builds, tmp_path, v2_tiny_dir):
+    pytest.importorskip("torch", reason="`trt-cosy build` needs the [build] extra (torch)")
+    pytest.importorskip("onnx", reason="`trt-cosy build` needs the [build] extra (onnx)")
+    result = CliRunner().invoke(
+        main, ["build", "--model-dir", str(v2_tiny_dir), "--out", str(tmp_path / "e"), "--onnx-only"]
+    )
+    assert result.exit_code == 0, result.output
+    assert (builds[0]["backend"], builds[0]["precision"], builds[0]["onnx_only"]) == ("tensorrt", "fp16", True)
+    assert "backend: tensorrt fp16 (--onnx-only writes TensorRT inputs)" in result.output

@@ -87,9 +87,11 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
     require("torch", "build")
     require("onnx", "build")
     from .build.engines import build_engines
-    from .runtime.backend_choice import AUTO, resolve_backend
+    from .runtime.backend_choice import AUTO, BackendChoice, resolve_backend
 
     choice = resolve_backend(backend, precision)
+    if onnx_only and backend == AUTO:  # --onnx-only writes TensorRT inputs, whatever this machine has
+        choice = BackendChoice("tensorrt", precision or "fp16", "--onnx-only writes TensorRT inputs")
     if backend == AUTO:
         _progress(choice.line())
     path = build_engines(model_dir, out_dir, backend=choice.backend, precision=choice.precision, force=force,
