@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from trt_cosy import InputError, Voice
 from trt_cosy.cli import main
 from trt_cosy.download import engines_cache_dir
+from trt_cosy.runtime import backend_choice
 from trt_cosy.tts import CosyVoice
 
 
@@ -146,12 +147,14 @@ def test_say_model_dir_builds_engines_into_the_cache(stub_render, wavs, tmp_path
     shutil.copytree(v2_tiny_dir, release)
     builds = []
 
-    def fake_build(model_dir, out_dir, backend, precision, force=False, progress=None):
+    def fake_build(model_dir, out_dir, backend, precision, force=False, progress=None, backend_reason=None):
         builds.append((Path(model_dir), Path(out_dir), backend, precision))
+        assert "no CUDA GPU with TensorRT here" in backend_reason
         progress("fake build step")
         return Path(out_dir)
 
     monkeypatch.setattr(build_module, "build_engines", fake_build)
+    monkeypatch.setattr(backend_choice, "gpu_unavailable_reason", lambda: "no GPU (test)")
     out = tmp_path / "out.wav"
     result = _invoke(
         "say", "Hello there.", "--model-dir", release, "--ref", wavs["ref"], "-o", out, "--seed", 1
@@ -162,6 +165,7 @@ def test_say_model_dir_builds_engines_into_the_cache(stub_render, wavs, tmp_path
     assert expected_dir.is_relative_to(tmp_path / "cache" / "engines")
     assert expected_dir.name == "onnxruntime-int4" and expected_dir.parent.name.startswith("release-")
     assert "fake build step" in result.output and stub_render.loaded_from == [expected_dir]
+    assert "backend: onnxruntime int4 (no CUDA GPU with TensorRT here" in result.output
     audio, rate = soundfile.read(out, dtype="float32")
     assert rate == 24000 and audio.shape == (2400,)
 

@@ -79,8 +79,10 @@ def _add_verbose_option(command: click.Command) -> None:
 @click.option("--model-dir", required=True, type=click.Path(path_type=Path), help="Official release directory.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Engines directory to write (e.g. engines/cosyvoice2/onnxruntime-fp32).")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "openvino"]), default="onnxruntime",
-              show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]), default="auto",
+              show_default=True,
+              help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else onnxruntime int4 "
+                   "(the fastest measured CPU engines); says which in one line.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Default: int4 for onnxruntime (4-bit LLM, int8 flow; fp32 for `trt-cosy verify` parity), "
                    "fp16 for tensorrt, bf16 for openvino. See docs/precision.md.")
@@ -94,11 +96,16 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
     require("torch", "build")
     require("onnx", "build")
     from .build.engines import build_engines
-    from .download import DEFAULT_PRECISIONS
+    from .runtime.backend_choice import AUTO, BackendChoice, resolve_backend
 
-    precision = precision or DEFAULT_PRECISIONS[backend]
-    path = build_engines(model_dir, out_dir, backend=backend, precision=precision, force=force,
-                         progress=lambda message: click.echo(message, err=True), onnx_only=onnx_only)
+    choice = resolve_backend(backend, precision)
+    if onnx_only and backend == AUTO:  # --onnx-only writes TensorRT inputs, whatever this machine has
+        choice = BackendChoice("tensorrt", precision or "fp16", "--onnx-only writes TensorRT inputs")
+    if backend == AUTO:
+        _progress(choice.line())
+    path = build_engines(model_dir, out_dir, backend=choice.backend, precision=choice.precision, force=force,
+                         progress=lambda message: click.echo(message, err=True), onnx_only=onnx_only,
+                         backend_reason=choice.reason)
     click.echo(f"engines ready in {path}")
 
 
@@ -176,7 +183,12 @@ def _check_one_of(**options: object) -> None:
 
 
 def _engines_dir(
-    engines: Path | None, model_dir: Path | None, source: str, precision: str | None, quiet: bool = False
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    precision: str | None,
+    quiet: bool = False,
+    backend: str = "auto",
 ) -> Path:
     """--engines as given; --model-dir built into the cache when needed; neither: the default model."""
     from .download import DEFAULT_MODEL, download_model, prepare_engines
@@ -189,14 +201,14 @@ def _engines_dir(
         if progress is not None:
             progress(f"no --engines or --model-dir: using {DEFAULT_MODEL} (downloaded and built on first use)")
         model_dir = download_model(DEFAULT_MODEL, source, progress=progress)
-    return prepare_engines(model_dir, progress=progress, precision=precision)
+    return prepare_engines(model_dir, progress=progress, precision=precision, backend=backend)
 
 
-def _engines_or_model_dir(engines: Path | None, model_dir: Path | None) -> Path:
+def _engines_or_model_dir(engines: Path | None, model_dir: Path | None, backend: str = "auto") -> Path:
     """`serve` and `bench`: --engines, or engines built into the cache from --model-dir (one is needed)."""
     if engines is None and model_dir is None:
         raise click.UsageError("pass --engines ENGINES (from `trt-cosy build`) or --model-dir RELEASE_DIR.")
-    return _engines_dir(engines, model_dir, "huggingface", None)
+    return _engines_dir(engines, model_dir, "huggingface", None, backend=backend)
 
 
 def _load_tts(
@@ -206,16 +218,30 @@ def _load_tts(
     threads: int | None,
     precision: str | None,
     quiet: bool = False,
+    backend: str = "auto",
 ):
     from .synthesis import EngineConfig
     from .tts import CosyVoice
 
-    path = _engines_dir(engines, model_dir, source, precision, quiet)
-    return CosyVoice.load(path, config=EngineConfig(threads=threads))
+    path = _engines_dir(engines, model_dir, source, precision, quiet, backend)
+    return CosyVoice.load(path, backend=backend, config=EngineConfig(threads=threads))
+
+
+def _backend_option():
+    """--backend of `say`, `voices`, `serve` and `bench`: which engines --model-dir / the default model
+    are built into the cache for (auto: runtime.backend_choice); with --engines, how to load them."""
+    return click.option(
+        "--backend",
+        type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]),
+        default="auto",
+        show_default=True,
+        help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else onnxruntime int4; "
+        "with --engines, the engines' own backend.",
+    )
 
 
 def _engine_options(command):
-    """--engines / --model-dir / --source / --threads, shared by `say` and `voices save`."""
+    """--engines / --model-dir / --source / --threads / --precision / --backend, shared by `say` and `voices`."""
     options = (
         click.option(
             "--engines",
@@ -241,10 +267,12 @@ def _engine_options(command):
         ),
         click.option(
             "--precision",
-            type=click.Choice(["fp32", "int8", "int4"]),
+            type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]),
             default=None,
-            help="Engines built into the cache for --model-dir / the default model (default: int4).",
+            help="Engines built into the cache for --model-dir / the default model (default: the backend's, "
+            "int4 for onnxruntime, fp16 for tensorrt).",
         ),
+        _backend_option(),
     )
     for option in reversed(options):
         command = option(command)
@@ -302,6 +330,7 @@ def say(
     stream: bool,
     play: bool,
     quiet: bool,
+    backend: str,
 ) -> None:
     """Speak TEXT in the voice of --ref, --voice or --speaker into a wav file (written atomically).
 
@@ -321,7 +350,7 @@ def say(
         raise click.UsageError("--ref-text goes with --ref.")
     config = SynthesisConfig(stream=stream, instruct=instruct)
     voice = Voice.load(voice_file) if voice_file is not None else speaker
-    tts = _load_tts(engines, model_dir, source, threads, precision, quiet=quiet)
+    tts = _load_tts(engines, model_dir, source, threads, precision, quiet=quiet, backend=backend)
     if voice is None:
         voice = tts.voice_from_wav(ref, ref_text)
     elif isinstance(voice, str):
@@ -453,10 +482,11 @@ def voices_save(
     source: str,
     threads: int | None,
     precision: str | None,
+    backend: str,
     out: Path,
 ) -> None:
     """Make a voice from --ref and save it as one file, for `trt-cosy say --voice`."""
-    tts = _load_tts(engines, model_dir, source, threads, precision)
+    tts = _load_tts(engines, model_dir, source, threads, precision, backend=backend)
     voice = tts.voice_from_wav(ref, ref_text)
     voice.save(out)
     mode = "zero-shot" if voice.prompt_text else "cross-lingual"
@@ -466,10 +496,15 @@ def voices_save(
 @voices.command("list")
 @_engine_options
 def voices_list(
-    engines: Path | None, model_dir: Path | None, source: str, threads: int | None, precision: str | None
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    threads: int | None,
+    precision: str | None,
+    backend: str,
 ) -> None:
     """Print the model's preset speakers, one per line (for `trt-cosy say --speaker NAME`)."""
-    tts = _load_tts(engines, model_dir, source, threads, precision)
+    tts = _load_tts(engines, model_dir, source, threads, precision, backend=backend)
     if not tts.speakers:
         _progress(
             "this model has no preset speakers (only CosyVoice-300M-SFT/-Instruct have them); "
@@ -520,10 +555,11 @@ def download(name: str, source: str, target: Path | None) -> None:
               help="Require 'Authorization: Bearer KEY' on every route but /health and the playground page.")
 @click.option("--stream-default/--no-stream-default", "stream_speech", default=True, show_default=True,
               help="/v1/audio/speech streams wav and pcm unless the body says stream: false (as OpenAI's).")
+@_backend_option()
 @ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
           threads: int | None, max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None,
-          stream_speech: bool) -> None:
+          stream_speech: bool, backend: str) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from .errors import require
 
@@ -534,9 +570,9 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     from .synthesis import EngineConfig
     from .tts import CosyVoice
 
-    engines = _engines_or_model_dir(engines, model_dir)
+    engines = _engines_or_model_dir(engines, model_dir, backend)
     # The shared LLM decode loop gets one KV slot per synthesis the server runs at once.
-    tts = CosyVoice.load(engines, config=EngineConfig(threads=threads, llm_slots=max_concurrent))
+    tts = CosyVoice.load(engines, backend=backend, config=EngineConfig(threads=threads, llm_slots=max_concurrent))
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
         max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,

@@ -3,8 +3,9 @@
 Cache layout (root ``~/.cache/trt-cosy``, or ``$TRT_COSY_CACHE``)::
 
     models/<name>/                                  a downloaded release (only the files inference needs)
-    engines/<release name>-<key>/onnxruntime-fp32/  engines built from a release; <key> hashes the
-                                                    names, sizes and mtimes of its checkpoint files
+    engines/<release name>-<key>/<backend>-<precision>/  engines built from a release (e.g. onnxruntime-int4,
+                                                    tensorrt-fp16: runtime.backend_choice picks them); <key>
+                                                    hashes the names, sizes and mtimes of its checkpoint files
 
 huggingface_hub / modelscope are imported only when a download is needed (the ``download`` extra);
 torch only when engines must be built (the ``build`` extra).
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Final
 
 from .errors import EngineMismatchError, InputError, ModelDirError, TrtCosyError, require
+from .runtime.backend_choice import DEFAULT_PRECISIONS, BackendChoice, resolve_backend
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -55,10 +57,8 @@ _RELEASE_FILES: Final = (
 )
 _ALLOW_PATTERNS: Final = [*_RELEASE_FILES, "CosyVoice-BlankEN/*.json"]
 _WEB: Final = {"huggingface": "https://huggingface.co/", "modelscope": "https://www.modelscope.cn/"}
-_BACKEND: Final = "onnxruntime"
-# What `trt-cosy build` and the engines cache use when no --precision is given (docs/precision.md,
-# "Default"): weight-only int4 LLM + int8 flow on CPUs, fp16 plans on GPUs.
-DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16", "openvino": "bf16"}
+# DEFAULT_PRECISIONS (runtime.backend_choice): what each backend builds when no --precision is given
+# (docs/precision.md, "Default"): weight-only int4 LLM + int8 flow on CPUs, fp16 plans on GPUs.
 
 Progress = Callable[[str], None]
 
@@ -242,39 +242,56 @@ def _checkpoint_key(model_dir: Path) -> str:
     return hashlib.sha256(json.dumps(stats).encode("utf-8")).hexdigest()[:16]
 
 
-def engines_cache_dir(model_dir: Path, precision: str | None = None) -> Path:
-    """Where engines built from ``model_dir`` at ``precision`` (default: the CPU default) live in the cache."""
-    precision = precision or DEFAULT_PRECISIONS[_BACKEND]
+def engines_cache_dir(model_dir: Path, precision: str | None = None, backend: str = "onnxruntime") -> Path:
+    """Where engines built from ``model_dir`` for ``backend`` at ``precision`` (default: the backend's
+    default) live in the cache."""
+    precision = precision or DEFAULT_PRECISIONS[backend]
     model_dir = Path(model_dir).resolve()
     return (
         cache_root()
         / "engines"
         / f"{model_dir.name}-{_checkpoint_key(model_dir)}"
-        / f"{_BACKEND}-{precision}"
+        / f"{backend}-{precision}"
     )
 
 
-def prepare_engines(model_dir: Path, progress: Progress | None = None, precision: str | None = None) -> Path:
-    """Engines for ``model_dir`` at ``precision`` (default ``DEFAULT_PRECISIONS``) from the cache, built
-    there first when missing or stale.
+def prepare_engines(
+    model_dir: Path,
+    progress: Progress | None = None,
+    precision: str | None = None,
+    backend: str | None = None,
+) -> Path:
+    """Engines for ``model_dir`` from the cache, built there first when missing or stale.
 
+    ``backend`` None or ``"auto"``: the machine's pick (``runtime.backend_choice``: TensorRT fp16 with
+    a CUDA GPU and TensorRT, else the fastest CPU engines), said in one ``progress`` line; an explicit
+    backend wins. ``precision`` defaults to the backend's (``DEFAULT_PRECISIONS``).
     Current engines are used without torch; building needs the ``build`` extra (torch, onnx).
     """
+    choice = resolve_backend(backend, precision)
+    if progress is not None:
+        progress(choice.line())
+    return _prepare(model_dir, choice, progress)
+
+
+def _prepare(model_dir: Path, choice: BackendChoice, progress: Progress | None) -> Path:
     from .runtime.manifest import Manifest
 
-    precision = precision or DEFAULT_PRECISIONS[_BACKEND]
-    out_dir = engines_cache_dir(model_dir, precision)
+    backend, precision = choice.backend, choice.precision
+    out_dir = engines_cache_dir(model_dir, precision, backend)
     try:
-        Manifest.read(out_dir).check(out_dir, backend=_BACKEND, precision=precision)
+        Manifest.read(out_dir).check(out_dir, backend=backend, precision=precision)
         return out_dir
     except EngineMismatchError as exc:
         _LOGGER.info("building engines: %s", exc)
     if progress is not None:
         progress(
-            f"building {_BACKEND}/{precision} engines for {model_dir} into {out_dir} (first use; takes a while)"
+            f"building {backend}/{precision} engines for {model_dir} into {out_dir} (first use; takes a while)"
         )
     require("torch", "build")
     require("onnx", "build")
     from .build.engines import build_engines
 
-    return build_engines(model_dir, out_dir, backend=_BACKEND, precision=precision, progress=progress)
+    return build_engines(
+        model_dir, out_dir, backend=backend, precision=precision, progress=progress, backend_reason=choice.reason
+    )

@@ -63,7 +63,9 @@ def model_id_from_checkpoint(family: str, checkpoint_hashes: Mapping[str, str]) 
 
 def _engine_backend(backend: str, path: Path) -> str:
     """The ``load_engines`` backend for a ``CosyVoice.load`` backend name; ``"auto"`` follows the
-    manifest for OpenVINO engines (a missing or unreadable manifest is reported by ``load_engines``)."""
+    manifest for OpenVINO engines, and for TensorRT engines where a CUDA GPU and TensorRT are present
+    (elsewhere their fp16 graphs run on ONNX Runtime; a missing or unreadable manifest is reported by
+    ``load_engines``)."""
     if backend in _TRT_NAMES:
         return "tensorrt"
     if backend in _OV_NAMES:
@@ -72,8 +74,14 @@ def _engine_backend(backend: str, path: Path) -> str:
         from .runtime.manifest import Manifest
 
         try:
-            if Manifest.read(path).backend == "openvino":
+            built_for = Manifest.read(path).backend
+            if built_for == "openvino":
                 return "openvino"
+            if built_for == "tensorrt":
+                from .runtime.backend_choice import gpu_unavailable_reason
+
+                if gpu_unavailable_reason() is None:
+                    return "tensorrt"
         except EngineMismatchError:
             pass
     return "onnxruntime"

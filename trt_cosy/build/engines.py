@@ -79,6 +79,7 @@ def build_engines(
     force: bool = False,
     progress: Progress | None = None,
     onnx_only: bool = False,
+    backend_reason: str | None = None,
 ) -> Path:
     """Export an official CosyVoice release (1, 2 or 3) to an engines directory and return its path.
 
@@ -100,6 +101,7 @@ def build_engines(
         progress: optional callback for progress lines.
         onnx_only: with ``backend="tensorrt"``, write the fp16 graphs, profiles and manifest but no
             plans (for a machine without a GPU; plans are built later where TensorRT runs).
+        backend_reason: why this backend/precision (``runtime.backend_choice``), kept in the manifest.
     """
     _check_options(backend, precision)
     check_family_options(Path(model_dir), backend, precision)
@@ -123,7 +125,7 @@ def build_engines(
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     staging.chmod(_DIR_MODE)  # mkdtemp makes it private (0700); the engines are ordinary files
     try:
-        _write_engines(model_dir, staging, hashes, backend, precision, emit)
+        _write_engines(model_dir, staging, hashes, backend, precision, emit, backend_reason)
         _swap_into_place(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -207,7 +209,13 @@ def _check_replaceable(out_dir: Path) -> None:
 
 
 def _write_engines(
-    model_dir: Path, staging: Path, hashes: dict[str, str], backend: str, precision: str, emit: Progress
+    model_dir: Path,
+    staging: Path,
+    hashes: dict[str, str],
+    backend: str,
+    precision: str,
+    emit: Progress,
+    backend_reason: str | None = None,
 ) -> None:
     emit(f"loading the checkpoint in {model_dir}")
     model = load_model_for_build(model_dir)
@@ -250,6 +258,7 @@ def _write_engines(
         checkpoint=hashes,
         graphs=records or {name: _graph_record(result, staging) for name, result in results.items()},
         files=_file_sizes(staging),
+        backend_reason=backend_reason,
     )
     if batch_graph is not None:
         manifest.graphs[batch_graph.stem] = batch_graph_record(batch_graph, staging)

@@ -90,6 +90,8 @@ class Manifest:
     files: dict[str, int]
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     format: int = _FORMAT
+    # Why this backend/precision (``runtime.backend_choice``); optional: older manifests lack it.
+    backend_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,6 +117,7 @@ class Manifest:
             files={str(k): int(v) for k, v in raw["files"].items()},
             created=str(raw["created"]),
             format=int(raw.get("format", _FORMAT)),
+            backend_reason=None if raw.get("backend_reason") is None else str(raw["backend_reason"]),
         )
 
     def write(self, engines_dir: Path) -> Path:

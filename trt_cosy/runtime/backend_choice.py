@@ -1,0 +1,107 @@
+"""Which backend and precision ``trt-cosy build`` / ``say`` / ``serve`` use when ``--backend`` is not given.
+
+The machine decides: TensorRT fp16 where a CUDA GPU and TensorRT are present, else the fastest CPU
+engines that pass the quality guard (``CPU_PICK``). The pick is data, with the reason that the CLI
+prints in one line and the build records in the manifest (``backend_reason``).
+
+Detection never creates a TensorRT object: the CUDA device count is asked first (via cuda-python,
+``runtime.cuda``) and ``tensorrt`` is imported only when a device was found and the package is
+installed (creating a TensorRT runtime without a GPU crashes the process, docs/environment-notes.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = [
+    "AUTO",
+    "BackendChoice",
+    "CPU_PICK",
+    "DEFAULT_PRECISIONS",
+    "GPU_PICK",
+    "choose_backend",
+    "gpu_unavailable_reason",
+    "resolve_backend",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+AUTO: Final = "auto"
+GPU_PICK: Final = ("tensorrt", "fp16")
+# The CPU default. Measured at full size on the 2-core Zen 4 machine (docs/benchmarks.md, "OpenVINO
+# engines"): ONNX Runtime int4 RTF 0.95 against OpenVINO bf16 1.03 end to end, so ONNX Runtime int4
+# stays the CPU pick. Should OpenVINO win a later measurement, this line becomes ("openvino", "bf16")
+# (bf16-capable CPUs only: see runtime.openvino.cpu_has_bf16) and _CPU_REASON says why.
+CPU_PICK: Final = ("onnxruntime", "int4")
+_CPU_REASON: Final = "ONNX Runtime int4 is the fastest measured CPU engine"
+# What each backend builds (build.engines checks the same; kept here so the runtime needs no build import).
+_PRECISIONS: Final = {
+    "tensorrt": ("fp16", "fp32"),
+    "onnxruntime": ("fp32", "int8", "int4"),
+    "openvino": ("fp32", "bf16", "int8", "int4"),
+}
+DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16", "openvino": "bf16"}
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """A backend, its precision and why they were chosen (one short clause)."""
+
+    backend: str
+    precision: str
+    reason: str
+
+    def line(self) -> str:
+        """What the CLI prints: ``backend: onnxruntime int4 (<reason>)``."""
+        return f"backend: {self.backend} {self.precision} ({self.reason})"
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why TensorRT engines cannot run here, or None when a CUDA device and TensorRT are present.
+
+    Never raises: a broken cuda-python or driver counts as no GPU.
+    """
+    try:
+        installed = importlib.util.find_spec("tensorrt") is not None
+    except (ImportError, ValueError):  # a broken or half-removed installation
+        installed = False
+    if not installed:
+        return "tensorrt is not installed"
+    try:
+        from .cuda import gpu_unavailable_reason as cuda_reason
+
+        return cuda_reason()  # device count first, then `import tensorrt` (no TensorRT object)
+    except Exception as exc:  # a broken install must not stop a CPU build
+        _LOGGER.info("CUDA detection failed: %r", exc)
+        return f"CUDA detection failed ({type(exc).__name__})"
+
+
+def choose_backend(precision: str | None = None) -> BackendChoice:
+    """The backend for this machine, at ``precision`` when given (else the pick's own precision).
+
+    A CUDA GPU with TensorRT: ``GPU_PICK``; otherwise ``CPU_PICK``. A ``precision`` the picked backend
+    does not build moves to the CPU pick's backend, else to the first backend that builds it.
+    """
+    missing = gpu_unavailable_reason()
+    if missing is None:
+        backend, default, reason = *GPU_PICK, "CUDA GPU with TensorRT found"
+    else:
+        _LOGGER.info("no TensorRT engines here: %s", missing)
+        backend, default = CPU_PICK
+        reason = f"no CUDA GPU with TensorRT here; {_CPU_REASON}"
+    if precision is None or precision in _PRECISIONS[backend]:
+        return BackendChoice(backend, precision or default, reason)
+    for other in (CPU_PICK[0], *_PRECISIONS):
+        if precision in _PRECISIONS[other]:
+            return BackendChoice(other, precision, f"{backend} has no {precision} engines; {reason}")
+    raise ValueError(f"no backend builds precision {precision!r}")
+
+
+def resolve_backend(backend: str | None, precision: str | None = None) -> BackendChoice:
+    """``choose_backend`` for ``"auto"`` / None; an explicit backend wins (its default precision)."""
+    if backend in (None, AUTO):
+        return choose_backend(precision)
+    return BackendChoice(backend, precision or DEFAULT_PRECISIONS[backend], f"--backend {backend} given")
