@@ -11,6 +11,7 @@ import io
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,7 @@ from _server_support import (  # noqa: E402
 )
 from _support import reference_wavs, tiny_engines  # noqa: E402
 
-from trt_cosy import CosyVoice, EngineConfig  # noqa: E402
+from trt_cosy import AudioChunk, CosyVoice, EngineConfig  # noqa: E402
 
 OPENAI_HEADERS = {  # what the OpenAI Python client sends besides its platform headers
     "Authorization": "Bearer sk-unused",
@@ -210,22 +211,44 @@ def test_openai_python_client_streaming_and_not(served):
 
 
 @pytest.mark.slow
-def test_openai_python_client_streams_pcm_by_default(served):
-    """No extra fields, as OpenAI's own API: the first pcm bytes arrive before the synthesis ends."""
+def test_openai_python_client_streams_pcm_by_default(served, monkeypatch):
+    """No extra fields, as OpenAI's own API: the first pcm bytes arrive before the synthesis ends.
+
+    The engine holds its last chunk until the client has received bytes (at most 20 s): a server that
+    did not stream could deliver nothing before the end, so the hold would time out. No timing race."""
     openai = pytest.importorskip("openai")
     url, recording, _ = served
+    first_bytes, held = threading.Event(), {}
+    synthesize = recording.synthesize
+
+    def holding_last_chunk(text, voice, seed=None, config=None):
+        chunks = synthesize(text, voice, seed, config)
+
+        def hold() -> Iterator[AudioChunk]:
+            try:
+                for chunk in chunks:
+                    if chunk.is_last:
+                        held["client_had_bytes"] = first_bytes.wait(20)
+                    yield chunk
+            finally:
+                chunks.close()
+
+        return hold()
+
+    monkeypatch.setattr(recording, "synthesize", holding_last_chunk)
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-unused", max_retries=0, timeout=60)
-    first_at, pieces = None, []
+    pieces = []
     with client.audio.speech.with_streaming_response.create(
-        model="tts-1", voice="alice", input="Good morning.", response_format="pcm"
+        model="tts-1", voice="alice", input="Good morning, and welcome to a streamed reply in several chunks.",
+        response_format="pcm",
     ) as response:
         for piece in response.iter_bytes():
-            first_at = first_at or time.perf_counter()
+            first_bytes.set()
             pieces.append(piece)
     record = recording.requests[-1]
     assert record["config"].stream, record["config"]
     assert record["finished"] and len(record["times"]) >= 2, record
-    assert first_at < record["times"][-1], (first_at, record["times"])
+    assert held == {"client_had_bytes": True}, held
     data = b"".join(pieces)
     assert len(data) >= SAMPLE_RATE and len(data) % 2 == 0
 
