@@ -239,8 +239,12 @@ def test_openai_python_client_streams_pcm_by_default(served, monkeypatch):
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-unused", max_retries=0, timeout=60)
     pieces = []
     with client.audio.speech.with_streaming_response.create(
-        model="tts-1", voice="alice", input="Good morning, and welcome to a streamed reply in several chunks.",
-        response_format="pcm",
+        model="tts-1", voice="alice", response_format="pcm",
+        # Long enough that the LLM's minimum length (2 tokens per text token) passes the first streaming
+        # chunk (25 tokens + prompt pad + look-ahead), so there are always at least two chunks.
+        input="Good morning, and welcome to a streamed reply: this sentence is long on purpose, so that "
+        "the speech it makes arrives in several chunks, one after another, while the server is still "
+        "working on the rest of it, as a voice product would play it to a listener.",
     ) as response:
         for piece in response.iter_bytes():
             first_bytes.set()
