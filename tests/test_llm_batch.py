@@ -143,6 +143,22 @@ def test_kv_slots_move_the_last_row_into_a_freed_slot():
 # ---------------------------------------------------------------- the shared decode loop
 
 
+def _first_step_waits_for_rows(scheduler, rows: int, timeout_s: float = 20.0) -> None:
+    """The scheduler's first step waits until ``rows`` rows have joined (or are queued to), so that a
+    test's requests share steps however the threads are scheduled; later steps are unchanged."""
+    step, waited = scheduler._step, threading.Event()
+
+    def first_step_waits() -> None:
+        if not waited.is_set():
+            deadline = time.monotonic() + timeout_s
+            while scheduler.active + len(scheduler._pending) < rows and time.monotonic() < deadline:
+                time.sleep(0.005)
+            waited.set()
+        step()
+
+    scheduler._step = first_step_waits
+
+
 def test_concurrent_greedy_requests_give_the_golden_tokens(model, v2_reference):
     """Four threads decode at once in one batch (joining and leaving at different steps)."""
     stage = _batched(model)
@@ -150,6 +166,7 @@ def test_concurrent_greedy_requests_give_the_golden_tokens(model, v2_reference):
     golden = v2_reference["llm_greedy_tokens"].tolist()
     lengths = [len(golden), 5, len(golden) - 3, 1]
     results: dict[int, list[int]] = {}
+    _first_step_waits_for_rows(stage.scheduler, rows=3)  # tiny steps take microseconds: make them overlap
 
     def run(index: int) -> None:
         results[index] = list(stage.generate(*args, greedy_sample, max_new_tokens=lengths[index]))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import struct
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,29 +128,31 @@ def test_same_seed_same_audio_and_every_format_decodes(served):
 
 
 @pytest.mark.slow
-def test_streaming_sends_audio_before_the_synthesis_ends(served):
+def test_streaming_sends_audio_before_the_synthesis_ends(served, monkeypatch):
     url, recording, _ = served
+    first_bytes = threading.Event()
+    held = hold_last_chunk_until(recording, monkeypatch, first_bytes)
     body = {
         "model": "tts-1",
-        "input": "Good morning.",
+        "input": LONG_INPUT,
         "voice": "alice",
         "response_format": "wav",
         "stream": True,
     }
-    pieces, first_at = [], None
+    pieces = []
     with httpx.stream(
         "POST", url + "/v1/audio/speech", json=body, headers=OPENAI_HEADERS, timeout=60
     ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"] == "audio/wav"
         for piece in response.iter_bytes():
-            first_at = first_at or time.perf_counter()
+            first_bytes.set()
             pieces.append(piece)
     record = recording.requests[-1]
     assert getattr(record["config"], "stream", True), record["config"]
     assert record["finished"] and len(record["times"]) >= 2, record
-    # The client held audio before the engine had produced the last chunk.
-    assert first_at < record["times"][-1], (first_at, record["times"])
+    # The client held audio before the engine released the last chunk.
+    assert held == {"client_had_bytes": True}, held
     data = b"".join(pieces)
     assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt " and data[36:40] == b"data"
     assert struct.unpack("<I", data[4:8])[0] == struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
@@ -211,14 +212,11 @@ def test_openai_python_client_streaming_and_not(served):
 
 
 @pytest.mark.slow
-def test_openai_python_client_streams_pcm_by_default(served, monkeypatch):
-    """No extra fields, as OpenAI's own API: the first pcm bytes arrive before the synthesis ends.
-
-    The engine holds its last chunk until the client has received bytes (at most 20 s): a server that
-    did not stream could deliver nothing before the end, so the hold would time out. No timing race."""
-    openai = pytest.importorskip("openai")
-    url, recording, _ = served
-    first_bytes, held = threading.Event(), {}
+def hold_last_chunk_until(recording, monkeypatch, event: threading.Event) -> dict:
+    """Make ``recording`` hold each request's last chunk until ``event`` is set (at most 20 s); the
+    returned dict gets ``client_had_bytes`` (whether it was set in time). A server that did not stream
+    could deliver nothing before the end, so the hold times out: streaming is shown without a race."""
+    held: dict = {}
     synthesize = recording.synthesize
 
     def holding_last_chunk(text, voice, seed=None, config=None):
@@ -228,7 +226,7 @@ def test_openai_python_client_streams_pcm_by_default(served, monkeypatch):
             try:
                 for chunk in chunks:
                     if chunk.is_last:
-                        held["client_had_bytes"] = first_bytes.wait(20)
+                        held["client_had_bytes"] = event.wait(20)
                     yield chunk
             finally:
                 chunks.close()
@@ -236,15 +234,31 @@ def test_openai_python_client_streams_pcm_by_default(served, monkeypatch):
         return hold()
 
     monkeypatch.setattr(recording, "synthesize", holding_last_chunk)
+    return held
+
+
+# Long enough that the LLM's minimum length (2 tokens per text token) passes the first streaming chunk
+# (25 tokens + prompt pad + look-ahead), so a streamed reply always has at least two chunks.
+LONG_INPUT = (
+    "Good morning, and welcome to a streamed reply: this sentence is long on purpose, so that the speech it "
+    "makes arrives in several chunks, one after another, while the server is still working on the rest of "
+    "it, as a voice product would play it to a listener."
+)
+
+
+def test_openai_python_client_streams_pcm_by_default(served, monkeypatch):
+    """No extra fields, as OpenAI's own API: the first pcm bytes arrive before the synthesis ends.
+
+    The engine holds its last chunk until the client has received bytes (at most 20 s): a server that
+    did not stream could deliver nothing before the end, so the hold would time out. No timing race."""
+    openai = pytest.importorskip("openai")
+    url, recording, _ = served
+    first_bytes = threading.Event()
+    held = hold_last_chunk_until(recording, monkeypatch, first_bytes)
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-unused", max_retries=0, timeout=60)
     pieces = []
     with client.audio.speech.with_streaming_response.create(
-        model="tts-1", voice="alice", response_format="pcm",
-        # Long enough that the LLM's minimum length (2 tokens per text token) passes the first streaming
-        # chunk (25 tokens + prompt pad + look-ahead), so there are always at least two chunks.
-        input="Good morning, and welcome to a streamed reply: this sentence is long on purpose, so that "
-        "the speech it makes arrives in several chunks, one after another, while the server is still "
-        "working on the rest of it, as a voice product would play it to a listener.",
+        model="tts-1", voice="alice", response_format="pcm", input=LONG_INPUT
     ) as response:
         for piece in response.iter_bytes():
             first_bytes.set()
