@@ -3,6 +3,7 @@ it on free ports, wait until ready, stop it. Skips (with the reason) only where 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -19,11 +20,12 @@ _STUB_NUMPY = "numpy<2"
 
 
 def _pytriton_root() -> Path | None:
-    try:
-        import pytriton
-    except ImportError:
+    # Found, not imported: nvidia-pytriton is installed with --no-deps (its numpy<2 pin), so its own
+    # Python package may not import; only the tritonserver binary it ships is used.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    root = Path(pytriton.__file__).parent / "tritonserver"
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     return root if (root / "bin" / "tritonserver").is_file() else None
 
 
