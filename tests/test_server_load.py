@@ -356,13 +356,22 @@ def test_dropped_request_stops_within_a_second(tts, voices_dir, stream):
     text = " ".join(["The quick brown fox jumps over the lazy dog near the river bank today."] * 12)
     with running_server(tts, voices_dir, warmup=False, max_concurrent=2) as url:
         wait_ready(url)
-        try:
-            httpx.post(
-                url + "/tts", json={"text": text, "voice": "alice", "seed": 1, "stream": stream}, timeout=3.0
-            )
-            pytest.fail("the long request finished within 3 s; the test needs it to still run")
-        except httpx.ReadTimeout:
+        payload = {"text": text, "voice": "alice", "seed": 1, "stream": stream}
+        if stream:
+            # A streamed answer sends bytes every chunk, so a read timeout never fires: leave after the
+            # first audio bytes, while the next chunk is being made.
+            with httpx.stream("POST", url + "/tts", json=payload, timeout=30.0) as response:
+                assert response.status_code == 200
+                received = response.iter_bytes()  # kept referenced: a dropped iterator closes the connection
+                assert next(received, b""), "the stream ended before any audio"
+                assert _active(url) > 0, "the long request already finished; the test needs it to still run"
             dropped = time.perf_counter()
+        else:
+            try:
+                httpx.post(url + "/tts", json=payload, timeout=3.0)
+                pytest.fail("the long request finished within 3 s; the test needs it to still run")
+            except httpx.ReadTimeout:
+                dropped = time.perf_counter()
         while _active(url) > 0:
             assert time.perf_counter() - dropped < 1.0, "the synthesis still runs 1 s after the client left"
             time.sleep(0.02)
