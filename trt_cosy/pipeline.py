@@ -14,6 +14,7 @@ the flag is set. An exception in the worker is re-raised in the thread that wait
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 
+from .runtime.render_turns import RENDER_TURNS, RenderTurns
 from .runtime.run_scope import RunCancelled, RunScope
 from .runtime.work_gate import RENDER_GATE, GateCancelled
 from .stages.flow import FlowStage
@@ -256,6 +258,8 @@ class Request:
     """
 
     llm_yield: str = "first"
+    render_turns: RenderTurns | None = RENDER_TURNS
+    """Renders of concurrent requests take turns (first chunks first); None: they run at once."""
 
     def __init__(
         self,
@@ -357,8 +361,17 @@ class Request:
             weight = self.voice.speech_tokens.shape[0] + plan.end
             # The LLM worker pauses while the first chunk renders (llm_yield), so the flow gets the cores.
             hold = self.llm_yield == "always" or (self.llm_yield == "first" and self.first_audio_s is None)
+            # A shared (batched) decode loop pauses too while a first chunk renders.
+            loop_hold = getattr(self.stages.llm, "render_hold", None) if hold else None
+            turns = self.render_turns
             try:
-                with RENDER_GATE.hold(weight, lambda: self.feed.cancelled), self.runs.active():
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(RENDER_GATE.hold(weight, lambda: self.feed.cancelled))
+                    if turns is not None:
+                        stack.enter_context(turns.turn(self.first_audio_s is None, lambda: self.feed.cancelled))
+                    stack.enter_context(self.runs.active())
+                    if loop_hold is not None:
+                        stack.enter_context(loop_hold())
                     if hold:
                         self.feed.hold()
                     try:

@@ -21,7 +21,9 @@ CosyVoice 1 and TensorRT keep per-request decoding.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -44,6 +46,7 @@ DEFAULT_SLOTS: Final = 8
 DEFAULT_POSITIONS: Final = 2048  # cached positions per slot (prompt + speech tokens)
 _END: Final = object()
 _IDLE_EXIT_S: Final = 30.0  # an idle loop ends its thread (the next request starts a new one)
+DECODE_NICE: Final = -5  # the decode threads' nice value where the process may raise priority
 
 
 class _Row:
@@ -87,6 +90,7 @@ class DecodeStats:
     joined: int = 0
     left: int = 0
     busy_s: float = 0.0  # seconds inside decode steps (graph + sampling)
+    held_s: float = 0.0  # seconds the loop paused with rows waiting, while a first chunk rendered
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
 
@@ -107,7 +111,13 @@ class DecodeScheduler:
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._holds = 0  # first-chunk renders in progress that asked the loop to pause
         self.stats = DecodeStats()
+        self.priority: int | None = DECODE_NICE
+        """Nice value of the decode threads (the loop and ``pool_threads``); None: leave them alone."""
+        self.pool_threads: tuple[int, ...] = ()
+        """Native ids of the batched session's intra-op threads (they run the steps with the loop)."""
+        self._applied: int | None = None
 
     @property
     def active(self) -> int:
@@ -124,6 +134,28 @@ class DecodeScheduler:
                 self._thread = threading.Thread(target=self._run, name="trt-cosy-llm-batch", daemon=True)
                 self._thread.start()
             self._changed.notify_all()
+
+    def hold(self) -> None:
+        """Pause the loop before its next step until ``release`` (counted, thread-safe): a request
+        renders its first chunk with the cores to itself, as ``TokenFeed.hold`` does for a request
+        that decodes alone."""
+        with self._changed:
+            self._holds += 1
+
+    def release(self) -> None:
+        """End one ``hold``."""
+        with self._changed:
+            self._holds = max(0, self._holds - 1)
+            self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """``hold`` for the block."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
 
     def wake(self) -> None:
         """Re-check cancellations now (a cancelled row frees its slot before the next step)."""
@@ -142,8 +174,10 @@ class DecodeScheduler:
     def _admit(self) -> bool:
         """Drop cancelled rows, admit pending ones while slots are free; False when closed or idle
         for ``_IDLE_EXIT_S`` (the thread then ends; ``join`` starts a new one)."""
+        if self.priority != self._applied:
+            self._apply_priority()
         with self._changed:
-            idle_since = time.monotonic()
+            idle_since = held_since = time.monotonic()
             while True:
                 self._drop([i for i, row in enumerate(self._rows) if row.cancelled.is_set()])
                 self._pending = [(r, c) for r, c in self._pending if not r.cancelled.is_set()]
@@ -154,12 +188,30 @@ class DecodeScheduler:
                     self.stats.joined += 1
                 if self._closed:
                     return False
+                now = time.monotonic()
                 if self._rows:
-                    return True
-                if time.monotonic() - idle_since >= _IDLE_EXIT_S:
+                    if not self._holds:
+                        self.stats.held_s += now - held_since
+                        return True
+                    idle_since = now  # held, not idle
+                elif now - idle_since >= _IDLE_EXIT_S:
                     self._thread = None
                     return False
+                else:
+                    held_since = now
                 self._changed.wait(_IDLE_EXIT_S)
+
+    def _apply_priority(self) -> None:
+        """Give the decode threads ``priority`` (a lower nice value than the renders' 0 lets a step
+        preempt a render at once instead of waiting for its time slice). Without the right to raise
+        priority (``CAP_SYS_NICE`` or ``RLIMIT_NICE``) the threads keep theirs."""
+        nice = 0 if self.priority is None else self.priority
+        self._applied = self.priority
+        for thread_id in (threading.get_native_id(), *self.pool_threads):
+            try:
+                os.setpriority(os.PRIO_PROCESS, thread_id, nice)
+            except (PermissionError, ProcessLookupError, AttributeError) as exc:  # AttributeError: not POSIX
+                _LOGGER.debug("decode thread %d keeps its priority (%s)", thread_id, exc)
 
     def _drop(self, indices: list[int], end: object = _END) -> None:
         """Remove rows (highest index first, so each move keeps the others' indices) and end them."""
@@ -211,6 +263,14 @@ class DecodeScheduler:
             self._drop(finished)
 
 
+def _thread_ids() -> set[int]:
+    """Native ids of this process's threads (Linux; empty elsewhere)."""
+    try:
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
 class BatchedLLMStage(LLMStage):
     """``LLMStage`` whose decode steps run in the model's shared ``DecodeScheduler``.
 
@@ -236,12 +296,18 @@ class BatchedLLMStage(LLMStage):
         qwen = config.qwen
         self._shape = (qwen.num_layers, qwen.num_kv_heads, qwen.head_dim)
         load = getattr(batch_runner, "load", None)  # a LazyOrtRunner: create the session now
+        before = _thread_ids()
         self.batch_model = OrtBatchLLM(load() if load is not None else batch_runner, qwen.num_layers)
         kv = KVSlots(slots, qwen.num_layers, qwen.num_kv_heads, positions, qwen.head_dim)
         self.scheduler = DecodeScheduler(self.batch_model, kv, config.speech_vocab_size)
+        self.scheduler.pool_threads = tuple(sorted(_thread_ids() - before))  # the new session's threads
         _LOGGER.debug(
             "batched LLM decoding: %d slots of %d positions (%.0f MiB reserved)", slots, positions, kv.nbytes / 2**20
         )
+
+    def render_hold(self) -> contextlib.AbstractContextManager[None]:
+        """Pause the shared decode loop for the block (a request renders its first chunk)."""
+        return self.scheduler.held()
 
     def _decode(self, lm_input: np.ndarray, sampler: Sampler, min_len: int, max_len: int) -> Iterator[int]:
         if max_len <= 0:
