@@ -14,7 +14,9 @@ you soon.", synthetic 50-token prompt, streaming), once per variant:
 * ``turns``: renders take turns (first chunks first: ``runtime.render_turns``);
 * ``turns+hold``: and the decode loop pauses while a first chunk renders (``DecodeScheduler.hold``);
 * ``turns+hold+nice``: and the decode threads run at nice ``DECODE_NICE`` (needs CAP_SYS_NICE);
-* ``turns+nice``: turns and nice, no pause.
+* ``turns+nice``: turns and nice, no pause;
+* ``turns+share+nice``: the loop pauses only while as many first chunks render as rows decode
+  (``DecodeScheduler.pause = "all"``, the default).
 
 A round ends (its requests are cancelled) once every request has its first audio and its LLM has
 finished: what is compared is decode throughput and time to first audio, not the tail renders.
@@ -43,7 +45,7 @@ from trt_cosy.runtime.render_turns import RENDER_TURNS
 from trt_cosy.stages import llm_batch
 from trt_cosy.synthesis import EngineConfig
 
-VARIANTS = ("before", "turns", "turns+hold", "turns+hold+nice", "turns+nice")
+VARIANTS = ("before", "turns", "turns+hold", "turns+hold+nice", "turns+nice", "turns+share+nice")
 _EVENTS: dict[str, list] = {"steps": [], "renders": []}
 
 
@@ -71,10 +73,7 @@ def _instrument() -> None:
 def _set_variant(tts: CosyVoice, name: str) -> None:
     stage = tts._stages.llm
     Request.render_turns = RENDER_TURNS if "turns" in name else None
-    if "hold" in name:
-        stage.__dict__.pop("render_hold", None)
-    else:
-        stage.render_hold = None  # pipeline: getattr(stage, "render_hold", None) -> no loop pause
+    stage.scheduler.pause = "any" if "hold" in name else "all" if "share" in name else "never"
     stage.scheduler.priority = llm_batch.DECODE_NICE if "nice" in name else None
 
 
@@ -185,7 +184,10 @@ def one_round(tts: CosyVoice, voice, text: str, level: int, seed: int) -> dict:
             "n_with_render": len(shared),
             "ms_with_render": float(np.median(shared)) if shared else float("nan"),
         }
+    gaps = [(b[0] - a[1]) * 1e3 for a, b in zip(steps, steps[1:], strict=False)]
     return {
+        "gap_ms_median": float(np.median(gaps)) if gaps else float("nan"),
+        "gap_s": float(sum(g for g in gaps if g < 50.0)) / 1e3,  # short gaps: loop overhead, not holds
         "tokens": tokens,
         "decode_tok_s_wall": tokens / decode_end,
         "decode_tok_s_bench": tokens / llm_end if llm_end > 0 else 0.0,
@@ -236,7 +238,7 @@ def main() -> None:
                     f"bench {result['decode_tok_s_bench']:6.1f} tok/s, TTFA "
                     f"{' '.join(f'{t:.2f}' for t in result['ttfa_s'])} s, held {result['held_s']:.2f} s, "
                     f"steps {result['steps']} ({result['step_s']:.2f} s), renders {result['render_s']:.2f} s, "
-                    f"cpu {result['cpu_per_wall']:.2f}, load {os.getloadavg()[0]:.1f}",
+                    f"gap {result['gap_ms_median']:.2f} ms ({result['gap_s']:.2f} s), cpu {result['cpu_per_wall']:.2f}, load {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
                 print(f"    steps by batch: {json.dumps(result['by_batch'])}", flush=True)

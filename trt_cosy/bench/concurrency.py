@@ -6,7 +6,9 @@ embedding: no frontend models needed) with its own seed. Per level of concurrenc
 
 * per-request medians: seconds to the last chunk, speech tokens, RTF;
 * aggregate decode tokens/s: all speech tokens of the round over the seconds until the last
-  request's LLM finished;
+  request's LLM finished, counting each request's LLM seconds (which leave out the time its own
+  first chunk held it); and "over wall s": over the wall seconds from the start of the round until
+  the last token arrived (nothing left out);
 * audio seconds produced per wall second of the round;
 * p50 / p95 time to first audio over every request of every round.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,12 @@ import numpy as np
 
 from ..errors import InputError
 from ..frontend.voice import Voice
-from ..synthesis import EngineConfig, SynthesisConfig
+from ..synthesis import AudioChunk, EngineConfig, SynthesisConfig
 
 __all__ = ["ConcurrencyOptions", "run_concurrency_bench", "format_concurrency"]
 
 _LOGGER = logging.getLogger(__name__)
+_POLL_S = 0.005  # how often a round looks for finished LLMs
 _DEFAULT_TEXT = "See you soon."  # 8 tokens with the test tokenizer: up to 160 speech tokens (6.4 s)
 
 Progress = Callable[[str], None]
@@ -69,12 +72,11 @@ def _synthetic_voice(tts: Any, options: ConcurrencyOptions) -> Voice:
     )
 
 
-def _one_request(tts: Any, voice: Voice, text: str, seed: int, barrier: threading.Barrier) -> dict[str, float]:
-    config = SynthesisConfig(stream=True, text_frontend=False)
+def _one_request(chunks: Iterator[AudioChunk], barrier: threading.Barrier) -> dict[str, float]:
     barrier.wait()
     start = time.perf_counter()
     first, tokens, audio, llm_s = None, 0.0, 0.0, 0.0
-    for chunk in tts.synthesize(text, voice, seed=seed, config=config):
+    for chunk in chunks:
         if first is None:
             first = time.perf_counter() - start
         tokens += chunk.timings["tokens"]
@@ -93,13 +95,16 @@ def _one_request(tts: Any, voice: Voice, text: str, seed: int, barrier: threadin
 
 
 def _round(tts: Any, voice: Voice, text: str, concurrency: int, seed: int) -> dict[str, Any]:
-    barrier = threading.Barrier(concurrency)
+    barrier = threading.Barrier(concurrency + 1)
+    config = SynthesisConfig(stream=True, text_frontend=False)
+    iterators = [tts.synthesize(text, voice, seed=seed + i, config=config) for i in range(concurrency)]
+    feeds = [getattr(getattr(it, "request", None), "feed", None) for it in iterators]
     results: list[dict[str, float] | None] = [None] * concurrency
     errors: list[BaseException] = []
 
     def run(index: int) -> None:
         try:
-            results[index] = _one_request(tts, voice, text, seed + index, barrier)
+            results[index] = _one_request(iterators[index], barrier)
         except BaseException as exc:  # reported below
             errors.append(exc)
             barrier.abort()
@@ -107,6 +112,18 @@ def _round(tts: Any, voice: Voice, text: str, concurrency: int, seed: int) -> di
     threads = [threading.Thread(target=run, args=(i,), name=f"bench-{i}") for i in range(concurrency)]
     for thread in threads:
         thread.start()
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
+    start_wall = time.perf_counter()
+    llm_done: list[float | None] = [None] * concurrency  # when each request's last token arrived
+    while any(thread.is_alive() for thread in threads):
+        now = time.perf_counter()
+        for index, feed in enumerate(feeds):
+            if llm_done[index] is None and feed is not None and feed.finished_all:
+                llm_done[index] = now - start_wall
+        time.sleep(_POLL_S)
     for thread in threads:
         thread.join()
     if errors:
@@ -116,9 +133,11 @@ def _round(tts: Any, voice: Voice, text: str, concurrency: int, seed: int) -> di
     wall = max(r["start"] + r["total_s"] for r in requests) - start
     llm_end = max(r["start"] + r["llm_s"] for r in requests) - start
     tokens = sum(r["tokens"] for r in requests)
+    last_token = max((t for t in llm_done if t is not None), default=0.0)
     return {
         "wall_s": wall,
         "decode_tokens_per_s": tokens / llm_end if llm_end > 0 else 0.0,
+        "decode_tokens_per_wall_s": tokens / last_token if last_token > 0 else 0.0,
         "audio_s_per_wall_s": sum(r["audio_s"] for r in requests) / wall,
         "requests": [{k: v for k, v in r.items() if k != "start"} for r in requests],
     }
@@ -132,6 +151,7 @@ def _level_summary(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
             key: float(np.median([r[key] for r in requests])) for key in ("total_s", "tokens", "rtf", "audio_s")
         },
         "aggregate_decode_tokens_per_s": float(np.median([rnd["decode_tokens_per_s"] for rnd in rounds])),
+        "aggregate_decode_tokens_per_wall_s": float(np.median([rnd["decode_tokens_per_wall_s"] for rnd in rounds])),
         "audio_s_per_wall_s": float(np.median([rnd["audio_s_per_wall_s"] for rnd in rounds])),
         "first_audio_p50_s": float(np.percentile(first, 50)),
         "first_audio_p95_s": float(np.percentile(first, 95)),
@@ -170,7 +190,8 @@ def run_concurrency_bench(
                 result = _round(tts, voice, options.text, level, options.seed + 100 * index)
                 label = "warm-up" if index < options.warmup else f"run {index - options.warmup + 1}"
                 emit(
-                    f"c={level} {name} {label}: {result['decode_tokens_per_s']:.1f} decode tok/s, "
+                    f"c={level} {name} {label}: {result['decode_tokens_per_s']:.1f} decode tok/s "
+                    f"({result['decode_tokens_per_wall_s']:.1f} over wall s), "
                     f"{result['audio_s_per_wall_s']:.2f} audio s/s, wall {result['wall_s']:.2f} s"
                 )
                 if index >= options.warmup:
@@ -184,6 +205,7 @@ def run_concurrency_bench(
                 "steps": stats.steps,
                 "row_steps": stats.row_steps,
                 "busy_s": stats.busy_s,
+                "held_s": stats.held_s,
                 "batch_sizes": {str(k): v for k, v in sorted(stats.batch_sizes.items())},
             }
     return report
@@ -192,7 +214,7 @@ def run_concurrency_bench(
 def format_concurrency(report: dict[str, Any]) -> str:
     lines = [
         f"engines {report['engines']}, text of {report['text_tokens']} tokens, LLM stage {report['llm_stage']}",
-        f"{'c':>3s} {'variant':10s} {'decode tok/s':>13s} {'audio s/s':>10s} {'TTFA p50':>9s} {'TTFA p95':>9s} "
+        f"{'c':>3s} {'variant':10s} {'decode tok/s':>13s} {'(wall)':>7s} {'audio s/s':>10s} {'TTFA p50':>9s} {'TTFA p95':>9s} "
         f"{'req total':>10s} {'req tokens':>10s} {'req RTF':>8s}",
     ]
     for level, variants in report["levels"].items():
@@ -200,6 +222,7 @@ def format_concurrency(report: dict[str, Any]) -> str:
             per = summary["per_request_median"]
             lines.append(
                 f"{level:>3s} {name:10s} {summary['aggregate_decode_tokens_per_s']:13.1f} "
+                f"{summary['aggregate_decode_tokens_per_wall_s']:7.1f} "
                 f"{summary['audio_s_per_wall_s']:10.2f} {summary['first_audio_p50_s']:9.3f} "
                 f"{summary['first_audio_p95_s']:9.3f} {per['total_s']:10.2f} {per['tokens']:10.0f} {per['rtf']:8.3f}"
             )

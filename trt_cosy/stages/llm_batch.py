@@ -113,6 +113,10 @@ class DecodeScheduler:
         self._closed = False
         self._holds = 0  # first-chunk renders in progress that asked the loop to pause
         self.stats = DecodeStats()
+        self.pause: str = "all"
+        """When ``hold`` pauses the loop: "all" while at least as many first chunks render as rows
+        decode (one request alone: its LLM waits for its first audio, as decoding alone does;
+        several: the others keep decoding), "any" while any first chunk renders, "never"."""
         self.priority: int | None = DECODE_NICE
         """Nice value of the decode threads (the loop and ``pool_threads``); None: leave them alone."""
         self.pool_threads: tuple[int, ...] = ()
@@ -136,9 +140,9 @@ class DecodeScheduler:
             self._changed.notify_all()
 
     def hold(self) -> None:
-        """Pause the loop before its next step until ``release`` (counted, thread-safe): a request
-        renders its first chunk with the cores to itself, as ``TokenFeed.hold`` does for a request
-        that decodes alone."""
+        """A first chunk renders until ``release`` (counted, thread-safe): the loop pauses before
+        its next step as ``pause`` says, so the render gets the cores, as ``TokenFeed.hold`` does
+        for a request that decodes alone."""
         with self._changed:
             self._holds += 1
 
@@ -177,7 +181,8 @@ class DecodeScheduler:
         if self.priority != self._applied:
             self._apply_priority()
         with self._changed:
-            idle_since = held_since = time.monotonic()
+            idle_since = time.monotonic()
+            held_since: float | None = None  # rows waiting while held, since
             while True:
                 self._drop([i for i, row in enumerate(self._rows) if row.cancelled.is_set()])
                 self._pending = [(r, c) for r, c in self._pending if not r.cancelled.is_set()]
@@ -190,16 +195,24 @@ class DecodeScheduler:
                     return False
                 now = time.monotonic()
                 if self._rows:
-                    if not self._holds:
-                        self.stats.held_s += now - held_since
+                    if not self._paused():
+                        if held_since is not None:
+                            self.stats.held_s += now - held_since
                         return True
                     idle_since = now  # held, not idle
+                    held_since = now if held_since is None else held_since
                 elif now - idle_since >= _IDLE_EXIT_S:
                     self._thread = None
                     return False
-                else:
-                    held_since = now
                 self._changed.wait(_IDLE_EXIT_S)
+
+    def _paused(self) -> bool:
+        """Whether first-chunk renders hold the loop now (``pause``; with the lock held)."""
+        if self.pause == "any":
+            return self._holds > 0
+        if self.pause == "all":
+            return self._holds >= len(self._rows)
+        return False
 
     def _apply_priority(self) -> None:
         """Give the decode threads ``priority`` (a lower nice value than the renders' 0 lets a step
