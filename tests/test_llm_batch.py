@@ -232,6 +232,71 @@ def test_cancelled_request_frees_its_slot_at_once_and_the_others_continue(model,
     assert stage.scheduler.active == 0 and stage.scheduler.slots.count == 0
 
 
+def _slow_steps(stage: BatchedLLMStage, monkeypatch) -> None:
+    """Steps of >= 10 ms, so a row of 60 tokens is still decoding while the test looks."""
+    stepper = stage.scheduler._stepper
+    real_step = stepper.step
+
+    def slow_step(inputs):
+        time.sleep(0.01)
+        return real_step(inputs)
+
+    monkeypatch.setattr(stepper, "step", slow_step)
+
+
+def test_first_chunk_hold_pauses_the_loop_only_when_every_row_is_held(model, alone, v2_reference, monkeypatch):
+    """``pause="all"``: one request holding for its first chunk stops the loop (its LLM waits, as
+    decoding alone does); with a second row running, the loop goes on; the tokens stay exact."""
+    stage = _batched(model, slots=2)
+    scheduler = stage.scheduler
+    assert scheduler.pause == "all"
+    _slow_steps(stage, monkeypatch)
+    args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
+
+    def sampler(seed: int) -> RASSampler:
+        return RASSampler.from_config(model.config.llm, np.random.default_rng(seed))
+
+    expected = [list(alone.generate(*args, sampler(seed), 60)) for seed in (1, 2)]
+    assert min(len(tokens) for tokens in expected) >= 20
+    first = stage.generate(*args, sampler(1), 60)
+    got = [next(first), next(first)]  # the second token comes from the loop: the row has joined
+    with stage.render_hold():
+        time.sleep(0.05)  # at most the step in progress ends
+        steps = scheduler.stats.steps
+        time.sleep(0.2)
+        assert scheduler.active == 1 and scheduler.stats.steps == steps, "a held lone row kept decoding"
+        second = stage.generate(*args, sampler(2), 60)
+        other = [next(second), next(second)]  # the second row joins; the loop runs again
+        assert scheduler.stats.steps > steps, "two rows and one hold: the loop should go on"
+    got += list(first)
+    other += list(second)
+    assert [got, other] == expected
+    assert scheduler.stats.held_s >= 0.2
+    _drain(scheduler)
+    assert scheduler.active == 0 and scheduler._holds == 0
+
+
+def test_any_pause_holds_the_loop_for_every_row(model, alone, v2_reference, monkeypatch):
+    stage = _batched(model, slots=2)
+    scheduler = stage.scheduler
+    scheduler.pause = "any"
+    _slow_steps(stage, monkeypatch)
+    args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
+    sampler = RASSampler.from_config(model.config.llm, np.random.default_rng(3))
+    expected = list(alone.generate(*args, sampler, 60))
+    rows = [stage.generate(*args, RASSampler.from_config(model.config.llm, np.random.default_rng(3)), 60)
+            for _ in range(2)]
+    got = [[next(row), next(row)] for row in rows]
+    with scheduler.held():
+        time.sleep(0.05)
+        steps = scheduler.stats.steps
+        time.sleep(0.2)
+        assert scheduler.active == 2 and scheduler.stats.steps == steps
+    for tokens, row in zip(got, rows, strict=True):
+        tokens += list(row)
+        assert tokens == expected
+
+
 def test_failed_step_fails_its_rows_and_the_loop_serves_the_next(model, v2_reference, monkeypatch):
     stage = _batched(model, slots=2)
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
