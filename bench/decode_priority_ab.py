@@ -242,6 +242,8 @@ def main() -> None:
                     flush=True,
                 )
                 print(f"    steps by batch: {json.dumps(result['by_batch'])}", flush=True)
+                if args.json:  # kept up to date: a run cut short still leaves its rounds
+                    args.json.write_text(json.dumps({**report, "rounds": rounds}, indent=1))
     report["rounds"] = rounds
     report["load_after"] = os.getloadavg()
     summary = {}
