@@ -4,6 +4,7 @@ slot leak), on the ONNX Runtime engines of the golden tiny CosyVoice2 checkpoint
 
 from __future__ import annotations
 
+import os
 import resource
 import threading
 import time
@@ -20,6 +21,7 @@ from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
 from trt_cosy.runtime.manifest import Manifest
 from trt_cosy.runtime.ort import LazyOrtRunner, OrtKVDecoder
+from trt_cosy.stages import llm_batch
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.stages.llm_batch import BatchedLLMStage
 from trt_cosy.stages.sampling import RASSampler, greedy_sample, log_softmax
@@ -295,6 +297,45 @@ def test_any_pause_holds_the_loop_for_every_row(model, alone, v2_reference, monk
     for tokens, row in zip(got, rows, strict=True):
         tokens += list(row)
         assert tokens == expected
+
+
+def _may_raise_priority() -> bool:
+    """Whether this process may lower a thread's nice value below 0 (root, CAP_SYS_NICE, RLIMIT_NICE)."""
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), llm_batch.DECODE_NICE)
+            result.append(True)
+        except PermissionError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities need POSIX os.setpriority")
+def test_decode_steps_run_at_the_decode_priority_and_none_leaves_it(model, v2_reference, monkeypatch):
+    stage = _batched(model, slots=2)
+    stepper = stage.scheduler._stepper
+    real_step = stepper.step
+    seen: list[int] = []
+
+    def recording(inputs):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_step(inputs)
+
+    monkeypatch.setattr(stepper, "step", recording)
+    args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
+    list(stage.generate(*args, greedy_sample, max_new_tokens=4))
+    expected = llm_batch.DECODE_NICE if _may_raise_priority() else os.getpriority(os.PRIO_PROCESS, 0)
+    assert seen and set(seen) == {expected}
+    stage.scheduler.priority = None  # back to the process's own nice value at the next admission
+    seen.clear()
+    list(stage.generate(*args, greedy_sample, max_new_tokens=4))
+    assert seen and set(seen) == {0}
 
 
 def test_failed_step_fails_its_rows_and_the_loop_serves_the_next(model, v2_reference, monkeypatch):

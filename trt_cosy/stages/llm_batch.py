@@ -178,8 +178,12 @@ class DecodeScheduler:
     def _admit(self) -> bool:
         """Drop cancelled rows, admit pending ones while slots are free; False when closed or idle
         for ``_IDLE_EXIT_S`` (the thread then ends; ``join`` starts a new one)."""
-        if self.priority != self._applied:
+        admitted = self._admit_rows()
+        if admitted and self.priority != self._applied:
             self._apply_priority()
+        return admitted
+
+    def _admit_rows(self) -> bool:
         with self._changed:
             idle_since = time.monotonic()
             held_since: float | None = None  # rows waiting while held, since
@@ -238,6 +242,7 @@ class DecodeScheduler:
             self.stats.left += 1
 
     def _run(self) -> None:
+        self._applied = None  # a new loop thread: give it the decode priority
         try:
             while self._admit():
                 self._step()
