@@ -36,14 +36,21 @@ class _Group(click.Group):
             sys.exit(2)
         except KeyboardInterrupt as exc:
             click.echo(f"interrupted ({signal_name(exc)})", err=True)
-            if threading.active_count() > 1:
-                # The main thread's cleanup (temporary files) has run. Engine threads may still be inside
-                # ONNX Runtime (the shared LLM decode loop, a graph being cancelled): a normal interpreter
-                # exit would tear them down mid-call and abort ("terminate called ..."); leave at once.
+            if _command_threads_alive():
+                # The main thread's cleanup (temporary files) has run. The engine's own threads (the LLM
+                # workers, the shared decode loop) are stopped by the library at interpreter exit, but the
+                # threads a command started itself (`bench --concurrency`'s requests) are not daemons:
+                # interpreter exit would wait until their work ends. Leave at once.
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(exit_status(exc))
             sys.exit(exit_status(exc))
+
+
+def _command_threads_alive() -> bool:
+    """A thread other than the main one that interpreter exit would wait for (not a daemon) is alive."""
+    main_thread = threading.main_thread()
+    return any(not thread.daemon and thread is not main_thread for thread in threading.enumerate())
 
 
 @click.group(cls=_Group)

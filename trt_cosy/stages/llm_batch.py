@@ -21,10 +21,12 @@ CosyVoice 1 and TensorRT keep per-request decoding.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -100,6 +102,7 @@ class DecodeScheduler:
     """
 
     def __init__(self, model: OrtBatchLLM, slots: KVSlots, vocab: int):
+        _LIVE_SCHEDULERS.add(self)  # closed at interpreter exit (_close_live_schedulers)
         self.model, self.slots = model, slots
         self._stepper = model.decoder(slots, vocab)
         self._rows: list[_Row] = []  # _rows[i] lives in slot i
@@ -209,6 +212,18 @@ class DecodeScheduler:
         stats.batch_sizes[len(rows)] = stats.batch_sizes.get(len(rows), 0) + 1
         with self._changed:
             self._drop(finished)
+
+
+_LIVE_SCHEDULERS: weakref.WeakSet[DecodeScheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_schedulers() -> None:
+    """Stop every decode loop at interpreter exit, before daemon threads are frozen: a loop thread still
+    inside ONNX Runtime then would be torn down mid-call and abort the process (SIGABRT, "terminate
+    called ..."), e.g. when a program is interrupted while requests decode."""
+    for scheduler in list(_LIVE_SCHEDULERS):
+        scheduler.close()
 
 
 class BatchedLLMStage(LLMStage):
