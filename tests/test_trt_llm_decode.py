@@ -17,6 +17,7 @@ scripts/gpu_check.sh.
 from __future__ import annotations
 
 import ctypes
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -368,3 +369,24 @@ def test_build_stages_batches_on_a_decode_plan_and_decodes_alone_without(exporte
         time.sleep(0.01)
     assert stage.scheduler.slots.count == 0 and stage.scheduler.stats.joined == 3
     stage.scheduler.close()
+
+
+def test_gpu_bench_runs_on_the_fake_runner(exported, fake_cuda, monkeypatch, tmp_path, capsys):
+    """bench/trt_llm_decode.py (scripts/gpu_check.sh) end to end on the fakes, so its GPU run only
+    meets what is new there: TensorRT, real kernels and timings."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "trt_llm_decode.py"
+    spec = importlib.util.spec_from_file_location("trt_llm_decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runner, _ = _fake_decode_runner(exported)
+    loaded = SimpleNamespace(runners={"llm": exported.llm, "llm_decode": runner}, config=exported.config,
+                             llm_tables=exported.tables)  # fmt: skip
+    monkeypatch.setattr(bench, "load_engines", lambda *a, **k: loaded)
+    monkeypatch.setattr(bench, "PROMPTS", (9, 40, 17, 5))
+    assert bench.main([str(tmp_path), "--steps", "5", "--json", str(tmp_path / "r.json")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [r["batch"] for r in rows] == [1, 2, 4] and all(r["rows_equal_to_batch_1"] == r["batch"] for r in rows)
+    assert "llm_decode vs llm plan max error" in capsys.readouterr().out

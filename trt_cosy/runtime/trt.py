@@ -21,6 +21,9 @@ uses profiles k·P … k·P + P − 1 (``build.tensorrt.build_plan(slots=S)``). 
 user-managed (``ExecutionContextAllocationStrategy.USER_MANAGED``): each slot holds one grow-only
 block sized by ``get_device_memory_size_for_profile_v2`` for the largest profile it has selected,
 so a slot that only ever streams never reserves the activations of the long profile.
+
+What a plan looks like to the runner (I/O tensors, the profile check against ``profiles.json``, the
+buffer sizes from a probe context, feed casting) is checked at load by ``trt_bindings.PlanIO``.
 """
 
 from __future__ import annotations

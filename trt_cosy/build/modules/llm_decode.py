@@ -45,12 +45,12 @@ class LLMDecodeGraph(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """cache: past_key_0, past_value_0, past_key_1, ... (each [B, H, C, Dh])."""
         window = key_positions.shape[0]  # P: cache positions read (>= every row's length)
-        lengths = past_lengths.to(torch.int64)  # [B]
-        # Row b's new token sits at position lengths[b]: its own rotary angle.
-        freqs = lengths.float()[:, None] * self.rotary.inv_freq[None, :]  # freqs: [B, Dh/2]
+        # Row b's new token sits at position past_lengths[b]: its own rotary angle. Index math stays
+        # int32 (no int64 tensors for TensorRT beyond shapes).
+        freqs = past_lengths.float()[:, None] * self.rotary.inv_freq[None, :]  # freqs: [B, Dh/2]
         angles = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # angles: [B, 1, 1, Dh]
         cos, sin = angles.cos(), angles.sin()
-        valid = key_positions.to(torch.int64)[None, :] < lengths[:, None]  # valid: [B, P]
+        valid = key_positions[None, :] < past_lengths[:, None]  # valid: [B, P]
         new_ok = torch.ones_like(valid[:, :1])  # the new position: always attended, [B, 1]
         mask = torch.cat([valid, new_ok], dim=1)[:, None, None, None, :]  # mask: [B, 1, 1, 1, P+1]
         keep = valid[:, None, :, None]  # keep: [B, 1, P, 1]
