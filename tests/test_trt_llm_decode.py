@@ -55,7 +55,9 @@ def exported(tmp_path_factory, v2_tiny_dir):
     out = tmp_path_factory.mktemp("llm_decode")
     plan = graph_export_plan(graphs.LLM.name, model.config)
     module = model.runners[graphs.LLM.name].module
-    export_graph(graphs.LLM, module, plan.sample, out / "llm.onnx", plan.dynamic_shapes, parity_inputs=plan.parity)
+    export_graph(
+        graphs.LLM, module, plan.sample, out / "llm.onnx", plan.dynamic_shapes, parity_inputs=plan.parity
+    )
     result = export_llm_decode(module, model.config, out)
     decode = OrtRunner.from_path(out / f"{LLM_DECODE_NAME}.onnx", LLM_DECODE_NAME, threads=1, exported=True)
     return SimpleNamespace(
@@ -163,7 +165,11 @@ def test_greedy_tokens_of_a_batch_equal_each_request_alone(exported):
     for _ in range(steps - 1):
         embeds = np.stack([speech[t[-1]] for t in tokens])[:, None]  # [B, 1, D]
         window = int(lengths.max())
-        feed = {"inputs_embeds": embeds, "past_lengths": lengths, "key_positions": np.arange(window, dtype=np.int32)}
+        feed = {
+            "inputs_embeds": embeds,
+            "past_lengths": lengths,
+            "key_positions": np.arange(window, dtype=np.int32),
+        }
         got = exported.decode.infer({**feed, **slots})
         for layer in range(qwen.num_layers):
             for row, length in enumerate(lengths):
@@ -182,7 +188,9 @@ def test_greedy_tokens_of_a_batch_equal_each_request_alone(exported):
 class FakeCuda3D(FakeCuda):
     """``FakeCuda`` plus device-to-device and pitched 3D copies (``cudaMemcpy3DAsync``)."""
 
-    cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3)
+    cudaMemcpyKind = SimpleNamespace(
+        cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3
+    )
     cudaMemcpy3DParms = SimpleNamespace
 
     @staticmethod
@@ -224,7 +232,11 @@ def _fake_decode_runner(exported, slots: int = 1) -> tuple[TrtRunner, FakeEngine
 
     def output_shape(shapes, name):
         rows = shapes["inputs_embeds"][0]
-        return (rows, 1, vocab) if name == "logits" else (rows, 2 * qwen.num_layers, qwen.num_kv_heads, qwen.head_dim)
+        return (
+            (rows, 1, vocab)
+            if name == "logits"
+            else (rows, 2 * qwen.num_layers, qwen.num_kv_heads, qwen.head_dim)
+        )
 
     engine = FakeEngine(
         profiles,
@@ -388,5 +400,7 @@ def test_gpu_bench_runs_on_the_fake_runner(exported, fake_cuda, monkeypatch, tmp
     monkeypatch.setattr(bench, "PROMPTS", (9, 40, 17, 5))
     assert bench.main([str(tmp_path), "--steps", "5", "--json", str(tmp_path / "r.json")]) == 0
     rows = json.loads((tmp_path / "r.json").read_text())
-    assert [r["batch"] for r in rows] == [1, 2, 4] and all(r["rows_equal_to_batch_1"] == r["batch"] for r in rows)
+    assert [r["batch"] for r in rows] == [1, 2, 4] and all(
+        r["rows_equal_to_batch_1"] == r["batch"] for r in rows
+    )
     assert "llm_decode vs llm plan max error" in capsys.readouterr().out
