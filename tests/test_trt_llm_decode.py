@@ -404,3 +404,32 @@ def test_gpu_bench_runs_on_the_fake_runner(exported, fake_cuda, monkeypatch, tmp
         r["rows_equal_to_batch_1"] == r["batch"] for r in rows
     )
     assert "llm_decode vs llm plan max error" in capsys.readouterr().out
+
+
+def test_plan_build_adds_the_batch_as_profile_data(tmp_path, v2_tiny_dir):
+    """build_plan over the fake tensorrt of test_trt_plan_build: every position bucket of llm_decode is
+    added once per slot, each with the batch B 1/4/8 on every batched input and the window P bucketed."""
+    from test_trt_plan_build import fake_tensorrt
+
+    from trt_cosy.build import tensorrt as trt_build
+    from trt_cosy.models.registry import read_release_config
+
+    config = read_release_config(v2_tiny_dir)
+    profiles = llm_decode_profiles(config)
+    names = list(profiles.input_names)
+    ranks = {
+        n: 3 if n == "inputs_embeds" else 1 if n in ("past_lengths", "key_positions") else 4 for n in names
+    }
+    trt = fake_tensorrt({"inputs": names, "rank": ranks})
+    graph = tmp_path / "llm_decode.onnx"  # the fake parser reads the input names from it
+    graph.write_text(json.dumps({"inputs": names}))
+    trt_build.build_plan(graph, tmp_path / "llm_decode.plan", profiles, slots=2, trt=trt)
+    (built,) = trt.made["configs"]
+    assert len(built.profiles) == 2 * 3  # decode_512, decode_2048, decode_4096, once per slot
+    qwen = config.llm.qwen
+    for index, profile in enumerate(built.profiles):
+        shapes = profile.shapes
+        assert [s[0] for s in shapes["past_lengths"]] == [1, 4, 8]
+        assert [s[0] for s in shapes["inputs_embeds"]] == [1, 4, 8]
+        assert shapes["past_key_0"][2] == (8, qwen.num_kv_heads, 4096, qwen.head_dim)  # [B, H, C, Dh]
+        assert shapes["key_positions"][2] == ((512, 2048, 4096)[index % 3],)
