@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -250,13 +250,18 @@ class BatchedLLMStage(LLMStage):
         super().__init__(runner, tables, config)
         qwen = config.qwen
         self._shape = (qwen.num_layers, qwen.num_kv_heads, qwen.head_dim)
-        load = getattr(batch_runner, "load", None)  # a LazyOrtRunner: create the session now
-        self.batch_model = OrtBatchLLM(load() if load is not None else batch_runner, qwen.num_layers)
-        kv = KVSlots(slots, qwen.num_layers, qwen.num_kv_heads, positions, qwen.head_dim)
+        self.batch_model, kv = self._batch_backend(batch_runner, slots, positions)
         self.scheduler = DecodeScheduler(self.batch_model, kv, config.speech_vocab_size)
         _LOGGER.debug(
             "batched LLM decoding: %d slots of %d positions (%.0f MiB reserved)", slots, positions, kv.nbytes / 2**20
         )
+
+    def _batch_backend(self, batch_runner: Runner, slots: int, positions: int) -> tuple[Any, Any]:
+        """The batched model and its KV slots (ONNX Runtime here; ``stages.trt_llm_batch`` for TensorRT)."""
+        layers, kv_heads, head_dim = self._shape
+        load = getattr(batch_runner, "load", None)  # a LazyOrtRunner: create the session now
+        model = OrtBatchLLM(load() if load is not None else batch_runner, layers)
+        return model, KVSlots(slots, layers, kv_heads, positions, head_dim)
 
     def _decode(self, lm_input: np.ndarray, sampler: Sampler, min_len: int, max_len: int) -> Iterator[int]:
         if max_len <= 0:
