@@ -20,6 +20,7 @@ GOLDEN_DIR=tests/data/cosyvoice2-tiny
 LOGS="$WORK/logs"
 mkdir -p "$LOGS"
 RESULTS=()
+DECODE_FAILED=0
 
 step() {  # step NAME COMMAND...: run, log to $LOGS/NAME.log, say how long it took; show the log tail on failure
     local name=$1
@@ -68,6 +69,12 @@ step golden-build-trt trt-cosy build --model-dir "$GOLDEN_DIR" --out "$WORK/gold
 step golden-verify-trt trt-cosy verify --backend tensorrt --model-dir "$GOLDEN_DIR" \
     --golden "$GOLDEN_DIR/reference.npz" --engines "$WORK/golden/trt"
 sed 's/^/    /' "$LOGS/golden-verify-trt.log"
+# 2b. Batched decode across requests (llm_decode plan, built above with the batch B 1..8 in its profiles):
+#     per-step latency against B, and every batched row's greedy tokens equal to batch 1 (exit 1 if not).
+#     Not fatal here (the later steps still run); the script exits 1 at the end if it failed.
+step golden-llm-decode-batch python bench/trt_llm_decode.py "$WORK/golden/trt" --json "$WORK/golden/llm_decode.json" \
+    || DECODE_FAILED=1
+sed 's/^/    /' "$LOGS/golden-llm-decode-batch.log"
 
 # 3. Per size: random-weight release, ORT and TensorRT engines, graph-level timing.
 for size in $SIZES; do
@@ -79,6 +86,9 @@ for size in $SIZES; do
     step "$size-bench" python bench/gpu_check.py --ort "$WORK/$size/ort" --trt "$WORK/$size/trt" \
         --seconds "$SECONDS_OF_AUDIO" --label "$size" --json "$WORK/$size/bench.json"
     grep -h -A12 "^model" "$LOGS/$size-bench.log" | sed 's/^/    /' || true
+    step "$size-llm-decode-batch" python bench/trt_llm_decode.py "$WORK/$size/trt" --json "$WORK/$size/llm_decode.json" \
+        || DECODE_FAILED=1
+    sed 's/^/    /' "$LOGS/$size-llm-decode-batch.log"
     RESULTS+=("$size")
 done
 
@@ -96,4 +106,21 @@ for size in sizes:
         ctx = "-" if row.get("context_mb") is None else row["context_mb"]
         print(f"{size:<6} {row['backend']:<12} {row['ttfa_s']:>8.3f} {row['rtf']:>7.3f} {row['llm_tok_s']:>10.1f} {mem:>8} {ctx:>8}")
 PY
+echo
+echo "== batched LLM decode on TensorRT (llm_decode): ms per step and decode tokens/s against batch size"
+python - "$WORK" golden "${RESULTS[@]}" <<'PY'
+import json, sys
+from pathlib import Path
+work, sizes = Path(sys.argv[1]), sys.argv[2:]
+print(f"{'model':<7} {'B':>3} {'ms/step':>9} {'p90 ms':>8} {'tokens/s':>9} {'= batch 1':>10}")
+for size in sizes:
+    path = work / size / "llm_decode.json"
+    for row in json.loads(path.read_text()) if path.is_file() else []:
+        print(f"{size:<7} {row['batch']:>3} {row['step_ms']:>9.2f} {row['step_p90_ms']:>8.2f} "
+              f"{row['tokens_per_s']:>9.0f} {row['rows_equal_to_batch_1']:>7}/{row['batch']}")
+PY
 echo "== done; logs in $LOGS"
+if [ "$DECODE_FAILED" != 0 ]; then
+    echo "batched decode check failed (see the *-llm-decode-batch logs)"
+    exit 1
+fi

@@ -24,7 +24,8 @@ pytest.importorskip(
 )
 httpx = pytest.importorskip("httpx")
 
-from _support import REF_TEXT  # noqa: E402
+from _support import REF_TEXT, reference_wavs, tiny_release  # noqa: E402
+from _tts_support import make_torch_tts  # noqa: E402
 
 from trt_cosy import AudioChunk  # noqa: E402
 from trt_cosy.server import ServerSettings, ThreadedServer, create_app  # noqa: E402
@@ -128,3 +129,47 @@ def metric_value(text: str, sample: str, **labels: str) -> float:
             if found.name == sample and found.labels == labels:
                 return found.value
     return 0.0
+
+
+def scripted_server_fixtures(label: str):
+    """The fixtures of server tests whose synthesis is scripted over the tiny torch reference; assign them
+    at module level: ``wavs, torch_tts, alice, voices_dir, scripted = scripted_server_fixtures("auth")``.
+
+    ``wavs``, ``torch_tts`` and ``alice`` (a zero-shot voice) are module-scoped; ``voices_dir`` is a fresh
+    folder holding ``alice.npz`` and ``scripted`` a ``RecordingTTS`` yielding three 0.1 s chunks, per test.
+    """
+    @pytest.fixture(scope="module")
+    def wavs(tmp_path_factory) -> dict[str, Path]:
+        return reference_wavs(tmp_path_factory.mktemp(f"{label}-wavs"))
+
+    @pytest.fixture(scope="module")
+    def torch_tts(tmp_path_factory, v2_tiny_dir):
+        return make_torch_tts(tiny_release(tmp_path_factory, v2_tiny_dir))
+
+    @pytest.fixture(scope="module")
+    def alice(torch_tts, wavs):
+        return torch_tts.voice_from_wav(wavs["ref"], "Hello, this is me.")
+
+    @pytest.fixture
+    def voices_dir(tmp_path, alice) -> Path:
+        alice.save(tmp_path / "alice.npz")
+        return tmp_path
+
+    @pytest.fixture
+    def scripted(torch_tts) -> RecordingTTS:
+        return RecordingTTS(torch_tts, scripted_chunks=3)
+
+    return wavs, torch_tts, alice, voices_dir, scripted
+
+
+def serve_without_serving(monkeypatch, tts, cache: Path) -> list[tuple]:
+    """`trt-cosy serve` up to the server: ``CosyVoice.load`` returns ``tts``, the trt-cosy cache is ``cache``,
+    and ``run_server`` records ``(tts, settings)`` in the returned list instead of serving."""
+    from trt_cosy.server import runner
+    from trt_cosy.tts import CosyVoice
+
+    served: list[tuple] = []
+    monkeypatch.setattr(CosyVoice, "load", classmethod(lambda cls, path, backend="auto", config=None: tts))
+    monkeypatch.setattr(runner, "run_server", lambda tts, settings: served.append((tts, settings)))
+    monkeypatch.setenv("TRT_COSY_CACHE", str(cache))
+    return served

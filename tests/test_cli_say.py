@@ -392,9 +392,9 @@ _LONG_TEXT = "This sentence is about the weather and the sea and the wind today.
 
 
 def test_say_progress_names_segments_audio_and_rtf_and_quiet_silences_it(stub_render, wavs, tmp_path, monkeypatch):
-    import trt_cosy.cli as cli_module
+    import trt_cosy.cli.say as say_module
 
-    monkeypatch.setattr(cli_module, "_PROGRESS_AFTER_S", 0.0)  # as if the synthesis were long
+    monkeypatch.setattr(say_module, "_PROGRESS_AFTER_S", 0.0)  # as if the synthesis were long
     out = tmp_path / "out.wav"
     result = _invoke("say", _LONG_TEXT, "--engines", tmp_path, "--ref", wavs["ref"], "-o", out)
     assert result.exit_code == 0, result.output
@@ -417,14 +417,14 @@ def test_say_short_synthesis_prints_no_progress(stub_render, wavs, tmp_path):
 def test_say_heartbeat_while_a_segment_renders(injected, wavs, tmp_path, monkeypatch):
     import time
 
-    import trt_cosy.cli as cli_module
+    import trt_cosy.cli.say as say_module
 
     def slow_render(call, plan):
         time.sleep(0.3)
         return np.zeros(960, np.float32)
 
     stub_models(monkeypatch, slow_render)
-    monkeypatch.setattr(cli_module, "_HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(say_module, "_HEARTBEAT_S", 0.1)
     result = _invoke("say", "Hello there.", "--engines", tmp_path, "--ref", wavs["ref"], "-o", tmp_path / "o.wav")
     assert result.exit_code == 0, result.output
     assert "still synthesising (segment 1, 0.00 s of audio so far, elapsed" in result.output

@@ -158,3 +158,45 @@ def test_stage_hand_off_through_device_pointers_and_an_event():
     handed.free()
     first.free()
     second.free()
+
+
+def test_device_kv_slots_copy_rows_with_3d_copies():
+    """runtime.trt_batch's KV slots on real device memory: join (pinned -> device), new positions
+    (device -> device, one cudaMemcpy3DAsync per row) and a row move, against the same layout in numpy."""
+    from trt_cosy.runtime.kv_slots import PrefillCache
+    from trt_cosy.runtime.trt_batch import DeviceKVSlots
+
+    layers, heads, capacity, head_dim, count = 3, 2, 16, 8, 3
+    shape = (2 * layers, count, heads, capacity, head_dim)  # [2L, S, H, C, Dh]
+    rng = np.random.default_rng(0)
+    expected = np.zeros(shape, np.float32)
+    slots = DeviceKVSlots(count, layers, heads, capacity, head_dim)
+    with cuda.Stream() as stream, cuda.PinnedBuffer(slots.nbytes) as host:
+        zeros = host.view(np.float32, shape)
+        zeros[...] = 0
+        slots.buffer.copy_from_async(host, slots.nbytes, stream)
+        stream.synchronize()
+        for row, length in enumerate((5, 9, 2)):
+            cache = PrefillCache(layers, heads, length, head_dim)
+            for layer in range(layers):
+                cache.keys[layer][...] = rng.standard_normal(cache.keys[layer].shape)
+                cache.values[layer][...] = rng.standard_normal(cache.values[layer].shape)
+                expected[layer, row, :, :length] = cache.keys[layer][0]
+                expected[layers + layer, row, :, :length] = cache.values[layer][0]
+            assert slots.add(cache) == row
+        new_kv = rng.standard_normal((count, 2 * layers, heads, head_dim)).astype(np.float32)  # [B, 2L, H, Dh]
+        with cuda.PinnedBuffer(new_kv.nbytes) as staged, cuda.DeviceBuffer(new_kv.nbytes) as device:
+            staged.view(np.float32, new_kv.shape)[...] = new_kv
+            device.copy_from_async(staged, new_kv.nbytes, stream)
+            slots.write_new(device.ptr, count, stream)
+            stream.synchronize()
+        for row, length in enumerate((5, 9, 2)):
+            expected[:, row, :, length] = new_kv[row]
+        slots.lengths[:count] += 1
+        assert slots.remove(0) == 2  # row 2 (3 positions now) moves into slot 0
+        expected[:, 0, :, :3] = expected[:, 2, :, :3]
+        slots.buffer.copy_to_async(host, slots.nbytes, stream)
+        stream.synchronize()
+        got = host.view(np.float32, shape)
+        np.testing.assert_array_equal(got[:, :2], expected[:, :2])  # slot 2 is free (its data is stale)
+    slots.free()

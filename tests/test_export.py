@@ -110,6 +110,18 @@ def test_export_graph_raises_over_tolerance(tmp_path):
         )
 
 
+class _NaNOutput(_Toy):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)  # [1, T, 4]
+        return y * torch.sqrt(-torch.ones_like(y))  # NaN everywhere
+
+
+def test_export_graph_refuses_non_finite_outputs(tmp_path):
+    """A graph that yields NaN fails its parity check (NaN differences must not count as 0)."""
+    with pytest.raises(TrtCosyError, match=r"output 'y' max error inf"):
+        export_graph(TOY, _NaNOutput(), _toy_feed(5), tmp_path / "toy.onnx", {"x": {1: Dim("T", min=1)}})
+
+
 class _TwoOutputs(_Toy):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = super().forward(x)  # y: [1, T, 4]

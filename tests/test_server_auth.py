@@ -8,27 +8,22 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
-from _server_support import (  # noqa: E402
+from _server_support import (  # noqa: E402  (skips this module without the server extras)
     GOOD,
     SPEECH,
-    RecordingTTS,
     assert_error,
     metric_value,
     running_server,
+    scripted_server_fixtures,
+    serve_without_serving,
     upload_voice,
     wait_ready,
 )
-from _support import reference_wavs, tiny_release  # noqa: E402
-from _tts_support import make_torch_tts  # noqa: E402
 from fastapi import WebSocket  # noqa: E402  (module level: FastAPI resolves the string annotations here)
 
 from trt_cosy.errors import InputError  # noqa: E402
@@ -56,30 +51,7 @@ GUARDED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def wavs(tmp_path_factory) -> dict[str, Path]:
-    return reference_wavs(tmp_path_factory.mktemp("auth-wavs"))
-
-
-@pytest.fixture(scope="module")
-def torch_tts(tmp_path_factory, v2_tiny_dir):
-    return make_torch_tts(tiny_release(tmp_path_factory, v2_tiny_dir))
-
-
-@pytest.fixture(scope="module")
-def alice(torch_tts, wavs):
-    return torch_tts.voice_from_wav(wavs["ref"], "Hello, this is me.")
-
-
-@pytest.fixture
-def voices_dir(tmp_path, alice) -> Path:
-    alice.save(tmp_path / "alice.npz")
-    return tmp_path
-
-
-@pytest.fixture
-def scripted(torch_tts) -> RecordingTTS:
-    return RecordingTTS(torch_tts, scripted_chunks=3)
+wavs, torch_tts, alice, voices_dir, scripted = scripted_server_fixtures("auth")
 
 
 def _request(url: str, method: str, path: str, body: dict | None, headers: dict | None = None):
@@ -189,15 +161,8 @@ def test_serve_takes_the_key_from_the_option_or_the_environment(torch_tts, tmp_p
     from click.testing import CliRunner
 
     from trt_cosy.cli import main
-    from trt_cosy.server import runner
-    from trt_cosy.tts import CosyVoice
 
-    served: list = []
-    monkeypatch.setattr(
-        CosyVoice, "load", classmethod(lambda cls, path, backend="auto", config=None: torch_tts)
-    )
-    monkeypatch.setattr(runner, "run_server", lambda tts, settings: served.append(settings))
-    monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
+    served = serve_without_serving(monkeypatch, torch_tts, tmp_path / "cache")
     monkeypatch.delenv("TRT_COSY_API_KEY", raising=False)
     base = ["serve", "--engines", str(tmp_path)]
     results = [CliRunner().invoke(main, base)]
@@ -206,7 +171,7 @@ def test_serve_takes_the_key_from_the_option_or_the_environment(torch_tts, tmp_p
     results.append(CliRunner().invoke(main, base))
     results.append(CliRunner().invoke(main, [*base, "--api-key", "the-option-wins"]))
     assert all(result.exit_code == 0 for result in results), [result.output for result in results]
-    assert [settings.api_key for settings in served] == [None, KEY, "from-the-environment", "the-option-wins"]
+    assert [settings.api_key for _, settings in served] == [None, KEY, "from-the-environment", "the-option-wins"]
     assert "playground: http://127.0.0.1:8000/" in results[0].output
     assert "TRT_COSY_API_KEY" in CliRunner().invoke(main, ["serve", "--help"]).output
 

@@ -11,57 +11,28 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("python_multipart")
 httpx = pytest.importorskip("httpx")
 
-from _server_support import (  # noqa: E402
+from _server_support import (  # noqa: E402  (skips this module without the server extras)
     GOOD,
     SPEECH,
-    RecordingTTS,
     assert_error,
     metric_value,
     running_server,
+    scripted_server_fixtures,
+    serve_without_serving,
     upload_voice,
     wait_ready,
 )
-from _support import reference_wavs, tiny_release  # noqa: E402
-from _tts_support import make_torch_tts  # noqa: E402
 
 from trt_cosy.frontend.voice import Voice  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def wavs(tmp_path_factory) -> dict[str, Path]:
-    return reference_wavs(tmp_path_factory.mktemp("limits-wavs"))
-
-
-@pytest.fixture(scope="module")
-def torch_tts(tmp_path_factory, v2_tiny_dir):
-    return make_torch_tts(tiny_release(tmp_path_factory, v2_tiny_dir))
-
-
-@pytest.fixture(scope="module")
-def alice(torch_tts, wavs) -> Voice:
-    return torch_tts.voice_from_wav(wavs["ref"], "Hello, this is me.")
-
-
-@pytest.fixture
-def voices_dir(tmp_path, alice) -> Path:
-    alice.save(tmp_path / "alice.npz")
-    return tmp_path
-
-
-@pytest.fixture
-def scripted(torch_tts) -> RecordingTTS:
-    return RecordingTTS(torch_tts, scripted_chunks=3)
+wavs, torch_tts, alice, voices_dir, scripted = scripted_server_fixtures("limits")
 
 
 def _gauge(url: str, name: str) -> float:
@@ -324,15 +295,8 @@ def test_serve_command_binds_loopback_with_the_given_limits(torch_tts, tmp_path,
     from click.testing import CliRunner
 
     from trt_cosy.cli import main
-    from trt_cosy.server import runner
-    from trt_cosy.tts import CosyVoice
 
-    served: list = []
-    monkeypatch.setattr(
-        CosyVoice, "load", classmethod(lambda cls, path, backend="auto", config=None: torch_tts)
-    )
-    monkeypatch.setattr(runner, "run_server", lambda tts, settings: served.append((tts, settings)))
-    monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
+    served = serve_without_serving(monkeypatch, torch_tts, tmp_path / "cache")
     result = CliRunner().invoke(main, ["serve", "--engines", str(tmp_path), "--max-queue", "3"])
     assert result.exit_code == 0, result.output
     tts, settings = served[0]

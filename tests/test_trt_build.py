@@ -59,6 +59,11 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_manifest(tiny_release: Path, 
     for step, estimator in (("flow_step", "flow_estimator"), ("flow_step_stream", "flow_estimator_stream")):
         assert summary["graphs"][step]["derived_from"] == estimator and f"{step}.fp16.onnx" in manifest["files"]
         assert step in profiles
+    # the batched decode graph (runtime.llm_decode): batch as data in every profile, one per position bucket
+    assert "llm_decode.fp16.onnx" in manifest["files"] and "llm_decode" in summary["graphs"]
+    decode = profiles["llm_decode"]["profiles"]
+    assert [p["name"] for p in decode] == ["decode_512", "decode_2048", "decode_4096"]
+    assert all(p["shapes"]["past_lengths"] == [[1], [4], [8]] for p in decode)
     assert not (out / "plans").exists()
     # rerun is a manifest-match skip
     again = CliRunner().invoke(main, ["build", "--model-dir", str(tiny_release), "--out", str(out),

@@ -134,10 +134,11 @@ class FakeContext:
 
     def run(self, stream_handle: int) -> None:
         """Compute the outputs from the bound addresses (the engine's ``compute``)."""
-        views = {n: host_array(self.addresses[n], self.shapes[n]) for n in self.engine.inputs}
-        outputs = self.engine.compute(views)
+        engine = self.engine
+        views = {n: host_array(self.addresses[n], self.shapes[n], engine.get_tensor_dtype(n)) for n in engine.inputs}
+        outputs = engine.compute(views)
         for name, value in outputs.items():
-            host_array(self.addresses[name], value.shape)[...] = value
+            host_array(self.addresses[name], value.shape, engine.get_tensor_dtype(name))[...] = value
 
 
 class FakeEngine:
@@ -159,8 +160,10 @@ class FakeEngine:
         shape_io: Sequence[str] = (),
         reject_max: bool = False,
         dropped: Sequence[str] = (),
+        dtypes: Mapping[str, Any] | None = None,
     ):
         self.profiles, self.context_class = profiles, context
+        self.dtypes = dict(dtypes or {})  # tensor name -> numpy dtype (default float32)
         self.inputs = tuple(n for n in profiles.input_names if n not in dropped)
         self.outputs = tuple(outputs)
         self.compute, self.output_shape = compute, output_shape
@@ -182,7 +185,7 @@ class FakeEngine:
         return "in" if name in self.inputs else "out"
 
     def get_tensor_dtype(self, name: str) -> Any:
-        return np.float32
+        return self.dtypes.get(name, np.float32)
 
     def is_shape_inference_io(self, name: str) -> bool:
         return name in self.shape_io

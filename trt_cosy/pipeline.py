@@ -14,10 +14,12 @@ the flag is set. An exception in the worker is re-raised in the thread that wait
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Final, NamedTuple
 
@@ -87,6 +89,7 @@ class TokenFeed:
 
     def start(self) -> None:
         if not self.started:
+            _LIVE_FEEDS.add(self)  # joined at interpreter exit (_close_live_feeds)
             self._thread.start()
 
     def cancel(self) -> None:
@@ -189,6 +192,21 @@ class TokenFeed:
             self._llm_seconds[segment] = time.perf_counter() - started - held
             self._changed.notify_all()
         return not self._stop.is_set()
+
+
+_LIVE_FEEDS: weakref.WeakSet[TokenFeed] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_feeds() -> None:
+    """Stop and join every LLM worker at interpreter exit, before daemon threads are frozen: a worker
+    frozen inside a graph run (a prefill, an unbatched decode step) aborts the process (SIGABRT), e.g.
+    when a program is interrupted while its requests decode. ``stages.llm_batch`` stops the decode loops."""
+    feeds = list(_LIVE_FEEDS)
+    for feed in feeds:
+        feed.cancel()
+    for feed in feeds:
+        feed.close()
 
 
 class Stages(NamedTuple):

@@ -38,6 +38,7 @@ from ..config import QWEN_DIR, ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..models.registry import family_named
 from ..runtime.engines import MODEL_CONFIG_NAME, TOKENIZER_DIR
+from ..runtime.llm_decode import LLM_DECODE_NAME
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord, hash_checkpoint
 from ..runtime.openvino import OV_PRECISIONS
 from ..version import __version__
@@ -222,6 +223,10 @@ def _write_engines(
     family = model.config.family
     results = export_family(model, staging, progress=emit)  # the family's graph set (BuildFamily.export)
     write_model_data(model, model_dir, staging)  # tables, fixed noise, preset speakers
+    if backend == "tensorrt" and family_named(family).qwen_llm:  # batched decode across requests
+        from .trt_llm_decode import export_llm_decode
+
+        results[LLM_DECODE_NAME] = export_llm_decode(model.runners["llm"].module, model.config, staging, emit)
     config = model.config
     del model  # the torch weights (2+ GB at full size) are not needed past this point
     gc.collect()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -240,7 +241,9 @@ def _parity(
                     f"exported graph {path}: output '{name}' has shape {got[name].shape} on ONNX Runtime "
                     f"but {reference.shape} in torch. This is an export bug (a length baked into the graph?)."
                 )
-            if reference.size:
+            if reference.size and not (np.isfinite(got[name]).all() and np.isfinite(reference).all()):
+                errors[name] = math.inf  # NaN would vanish in max(); a non-finite output is never parity
+            elif reference.size:
                 scale = max(1.0, float(np.abs(reference).max()))
                 error = float(np.abs(got[name].astype(np.float64) - reference).max()) / scale
                 errors[name] = max(errors[name], error)

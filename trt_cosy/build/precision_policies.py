@@ -89,6 +89,7 @@ _LOGITS: Final = ("llm_decoder",)
 
 GRAPH_POLICIES: Final = {
     "llm": PrecisionPolicy(modules=_NORMS | {"RotaryEmbedding"}, scopes=_LOGITS),
+    "llm_decode": PrecisionPolicy(modules=_NORMS, scopes=_LOGITS),  # its rotary angles: Sin/Cos islands
     "flow_encoder": PrecisionPolicy(modules=_NORMS),
     "flow_estimator": PrecisionPolicy(modules=_NORMS),
     "flow_estimator_stream": PrecisionPolicy(modules=_NORMS),
@@ -114,6 +115,7 @@ FAMILY_POLICIES: Final = {
     "v2": GRAPH_POLICIES,
     "v3": {
         "llm": PrecisionPolicy(modules=_NORMS | {"RotaryEmbedding"}, scopes=_LOGITS, data_max=DATA_MAX),
+        "llm_decode": PrecisionPolicy(modules=_NORMS, scopes=_LOGITS, data_max=DATA_MAX),
         "flow_encoder": PrecisionPolicy(modules=_NORMS, data_max=DATA_MAX),
         "flow_estimator": _DIT,
         "flow_estimator_stream": _DIT,

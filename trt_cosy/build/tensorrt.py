@@ -32,12 +32,14 @@ from ..config import ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..models.registry import family_named
 from ..models.v1.config import V1ModelConfig
+from ..runtime.llm_decode import LLM_DECODE_NAME
 from ..runtime.manifest import file_sha256
 from ..runtime.profiles import (
     PROFILES_NAME,
     GraphProfiles,
     ProfileLimits,
     default_profiles,
+    llm_decode_profiles,
     read_profiles,
     trt_graph_specs,
     write_profiles,
@@ -107,9 +109,13 @@ def prepare_trt_graphs(
     engines_dir = Path(engines_dir)
     emit = _emitter(progress)
     profiles = default_profiles(config, limits)
+    names = list(family_named(config.family).graphs)
+    if (engines_dir / f"{LLM_DECODE_NAME}.onnx").is_file():  # exported for the Qwen2 families
+        profiles[LLM_DECODE_NAME] = llm_decode_profiles(config, limits)  # type: ignore[arg-type]
+        names.append(LLM_DECODE_NAME)
     write_profiles(profiles, engines_dir / PROFILES_NAME)
     graphs: dict[str, Any] = {}
-    for name in family_named(config.family).graphs:
+    for name in names:
         graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
     for name in trt_graph_specs(config.family):
         if name not in graphs:
@@ -130,6 +136,11 @@ def _export_feeds(name: str, config: ModelConfig | V1ModelConfig) -> list[dict[s
     """The export's sample and parity feeds of graph ``name`` (calibration and fp16-vs-fp32 check)."""
     from .models.registry import build_family_of  # torch: build time only
 
+    if name == LLM_DECODE_NAME:
+        from .trt_llm_decode import llm_decode_plan
+
+        plan = llm_decode_plan(config)  # type: ignore[arg-type]
+        return [plan.sample, *plan.parity]
     plan = build_family_of(config).export_plan(config, name)
     return [plan.sample, *plan.parity]
 

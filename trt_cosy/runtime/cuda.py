@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -26,6 +27,8 @@ __all__ = [
     "gpu_unavailable_reason",
     "device_info",
     "memory_info",
+    "Pitched",
+    "copy_3d_async",
     "DeviceBuffer",
     "PinnedBuffer",
     "Stream",
@@ -191,6 +194,36 @@ def memory_info() -> tuple[int, int]:
 
 def _aligned(nbytes: int) -> int:
     return max(_ALIGN, (int(nbytes) + _ALIGN - 1) // _ALIGN * _ALIGN)
+
+
+@dataclass(frozen=True)
+class Pitched:
+    """A pitched view of linear memory (``cudaPitchedPtr``): ``ptr`` (device or pinned host address
+    of the first byte copied), ``pitch`` bytes between rows, ``rows`` rows per slice (a slice is
+    ``pitch · rows`` bytes)."""
+
+    ptr: int
+    pitch: int
+    rows: int
+
+
+def copy_3d_async(
+    dst: Pitched, src: Pitched, width: int, height: int, depth: int, stream: Stream, kind: str
+) -> None:
+    """Copy ``depth`` slices of ``height`` rows of ``width`` bytes from ``src`` to ``dst``
+    (``cudaMemcpy3DAsync``; ``kind``: "device" for device -> device, "to_device" for pinned host ->
+    device). One call moves a strided box, e.g. one row's new position of every layer and head."""
+    runtime = bindings()
+    kinds = {
+        "device": runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+        "to_device": runtime.cudaMemcpyKind.cudaMemcpyHostToDevice,
+    }
+    params = runtime.cudaMemcpy3DParms()
+    params.srcPtr = runtime.make_cudaPitchedPtr(int(src.ptr), int(src.pitch), int(width), int(src.rows))
+    params.dstPtr = runtime.make_cudaPitchedPtr(int(dst.ptr), int(dst.pitch), int(width), int(dst.rows))
+    params.extent = runtime.make_cudaExtent(int(width), int(height), int(depth))
+    params.kind = kinds[kind]
+    cuda_call(runtime.cudaMemcpy3DAsync(params, stream.handle))
 
 
 class _Resource:

@@ -186,9 +186,10 @@ def _load_openvino_runners(
 def _check_trt_graphs(engines_dir: Path, family: str) -> None:
     """The TensorRT profiles (one plan each) must cover exactly the family's graph set, before any
     plan is loaded: a v1/v3 directory has its own graph names (``Family.graphs``)."""
+    from .llm_decode import LLM_DECODE_NAME
     from .profiles import PROFILES_NAME, read_profiles, trt_graph_specs
 
-    named = set(read_profiles(engines_dir / PROFILES_NAME))
+    named = set(read_profiles(engines_dir / PROFILES_NAME)) - {LLM_DECODE_NAME}  # optional: batched decode
     expected = set(trt_graph_specs(family))  # the exported graphs plus the flow step graphs (v2/v3)
     if named != expected:
         raise EngineMismatchError(

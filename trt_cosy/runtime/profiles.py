@@ -32,6 +32,7 @@ __all__ = [
     "GraphProfiles",
     "ProfileLimits",
     "step_profiles",
+    "llm_decode_profiles",
     "trt_graph_specs",
     "V1_FRAME_SLACK",
     "default_profiles",
@@ -206,6 +207,8 @@ class ProfileLimits:
     """Upper P of each decode bucket below ``max_context`` (one profile per bucket, plus one to max)."""
     max_decode_step: int = 8
     """New positions T a decode call may carry (1 for plain decoding)."""
+    max_batch: int = 8
+    """Rows of a batched decode step (``llm_decode``: requests decoded together, at most)."""
     stream_tokens: int = 500
     """Flow tokens (prompt + chunks so far) of the short bucket; its opt is a quarter of it."""
     max_tokens: int = 1500
@@ -236,6 +239,32 @@ def _llm_profiles(dims: tuple[int, int, int, int], limits: ProfileLimits) -> Gra
     for high in (*[b for b in limits.decode_buckets if b < limits.max_context], limits.max_context):
         profiles.append(profile(f"decode_{high}", step, _range(1, high // 2, high)))
     return GraphProfiles("llm", tuple(profiles))
+
+
+def llm_decode_profiles(config: ModelConfig, limits: ProfileLimits | None = None) -> GraphProfiles:
+    """``llm_decode`` (``runtime.llm_decode``): the batch B 1/opt/``max_batch`` is data in every
+    profile; one profile per position bucket (the window P = ``key_positions``' length, as the
+    ``llm`` decode buckets); the slot capacity C is 1..``max_context`` (the runtime binds its own)."""
+    from .llm_decode import LLM_DECODE_NAME, cache_input_names, llm_decode_spec
+
+    limits = limits or ProfileLimits()
+    hidden, layers, heads, head_dim = _qwen_dims(config)
+    rows = _range(1, max(1, limits.max_batch // 2), limits.max_batch)
+    profiles = []
+    for high in (*[b for b in limits.decode_buckets if b < limits.max_context], limits.max_context):
+        window = _range(1, high // 2, high)
+        capacity = _range(1, limits.max_context, limits.max_context)
+        cache = tuple((b, heads, c, head_dim) for b, c in zip(rows, capacity, strict=True))  # [B, H, C, Dh]
+        shapes = {
+            "inputs_embeds": tuple((b, 1, hidden) for b in rows),  # [B, 1, D]
+            "past_lengths": tuple((b,) for b in rows),  # [B]
+            "key_positions": tuple((p,) for p in window),  # [P]
+        }
+        shapes.update(dict.fromkeys(cache_input_names(layers), cache))
+        profiles.append(ShapeProfile(f"decode_{high}", shapes))  # type: ignore[arg-type]
+    result = GraphProfiles(LLM_DECODE_NAME, tuple(profiles))
+    result.check_spec(llm_decode_spec(layers))
+    return result
 
 
 def _qwen_dims(config: ModelConfig) -> tuple[int, int, int, int]:

@@ -21,6 +21,9 @@ uses profiles k·P … k·P + P − 1 (``build.tensorrt.build_plan(slots=S)``). 
 user-managed (``ExecutionContextAllocationStrategy.USER_MANAGED``): each slot holds one grow-only
 block sized by ``get_device_memory_size_for_profile_v2`` for the largest profile it has selected,
 so a slot that only ever streams never reserves the activations of the long profile.
+
+What a plan looks like to the runner (I/O tensors, the profile check against ``profiles.json``, the
+buffer sizes from a probe context, feed casting) is checked at load by ``trt_bindings.PlanIO``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +41,9 @@ import numpy as np
 
 from ..errors import EngineMismatchError, InputError, TrtCosyError
 from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream
+from .llm_decode import LLM_DECODE_NAME, device_cache_inputs
 from .profiles import PROFILES_NAME, GraphProfiles, read_profiles
+from .trt_bindings import PlanIO, TensorInfo, dims, nbytes
 from .trt_plans import (
     PLANS_DIR,
     TENSOR_ALIGNMENT,
@@ -53,6 +58,7 @@ __all__ = [
     "PLANS_DIR",
     "TrtRunner",
     "TensorInfo",
+    "PlanIO",
     "PlanRecord",
     "checkpoint_digest",
     "current_system",
@@ -97,47 +103,12 @@ def load_plan_runners(
                 f"slot(s), {slots} asked for. Use fewer slots or rebuild the plans: run "
                 f"`python -m trt_cosy.build.tensorrt {engines_dir} --slots {slots}`."
             )
+        # llm_decode reads the KV slots where runtime.trt_batch keeps them: no buffers of its own for them
+        external = device_cache_inputs(graph.input_names) if name == LLM_DECODE_NAME else ()
         runners[name] = TrtRunner.from_plan(
-            engines_dir / PLANS_DIR / str(record.plan), name, graph, slots=slots
+            engines_dir / PLANS_DIR / str(record.plan), name, graph, slots=slots, external=external
         )
     return runners
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One engine I/O tensor: name, direction and numpy dtype."""
-
-    name: str
-    is_input: bool
-    dtype: np.dtype
-
-
-def _engine_io(engine: Any, trt: Any, graph: str) -> list[TensorInfo]:
-    infos = []
-    for index in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(index)
-        if engine.is_shape_inference_io(name):
-            # Shape tensors are read from host memory (IExecutionContext::setTensorAddress, kHOST);
-            # every tensor here is bound in device memory.
-            raise TrtCosyError(
-                f"TensorRT plan of '{graph}' has the shape tensor '{name}' (its values decide other tensors' "
-                "shapes, so TensorRT wants it in host memory); trt-cosy binds all I/O in device memory. "
-                f"Export the graph so that '{name}' is an ordinary data tensor, then rebuild the engines."
-            )
-        is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
-        infos.append(TensorInfo(name, is_input, np.dtype(trt.nptype(engine.get_tensor_dtype(name)))))
-    return infos
-
-
-def _nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count * dtype.itemsize
-
-
-def _dims(value: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in value)
 
 
 @dataclass
@@ -165,6 +136,9 @@ class TrtRunner:
     Output-buffer contract: ``infer`` returns fresh arrays owned by the caller. ``device_tensor``
     exposes a slot's device buffers for stage-to-stage hand-off without host copies; their pointers
     never change after load, and their contents stay valid until the slot's next ``enqueue``.
+
+    ``external`` inputs get no buffers of their own: every ``enqueue`` binds them to caller-owned
+    device memory (``addresses``), e.g. the KV slots of ``runtime.trt_batch``; ``infer`` cannot feed them.
     """
 
     def __init__(
@@ -176,22 +150,36 @@ class TrtRunner:
         trt: Any,
         slots: int = 1,
         keep_alive: Any = None,
+        external: Collection[str] = (),
     ):
         self.name, self.engine, self.profiles, self._trt = name, engine, profiles, trt
         self._keep_alive = keep_alive  # e.g. the plan's bytes' owner; the trt.Runtime is process-wide
-        self._io = {info.name: info for info in _engine_io(engine, trt, name)}
+        self._plan = PlanIO(engine, name, profiles, trt)
+        self._io: dict[str, TensorInfo] = self._plan._io
+        self.external = frozenset(external)
+        if not self.external <= set(self.input_names):
+            raise TrtCosyError(
+                f"graph '{name}' has no inputs {sorted(self.external - set(self.input_names))}."
+            )
         count = max(1, int(slots))
-        self._check_profiles(count)
+        self._plan.check_profiles(count)
         per_slot = len(profiles.profiles)
         self._workspace_need = [self._workspace_size(index) for index in range(count * per_slot)]
-        sizes = self._max_bytes()
+        sizes = {n: size for n, size in self._plan.max_bytes().items() if n not in self.external}
         self._slots = [self._make_slot(i, sizes) for i in range(count)]
         self._free: queue.Queue[_Slot] = queue.Queue()
         for slot in self._slots:
             self._free.put(slot)
 
     @classmethod
-    def from_plan(cls, path: str | Path, name: str, profiles: GraphProfiles, slots: int = 1) -> TrtRunner:
+    def from_plan(
+        cls,
+        path: str | Path,
+        name: str,
+        profiles: GraphProfiles,
+        slots: int = 1,
+        external: Collection[str] = (),
+    ) -> TrtRunner:
         """Deserialize a plan written by ``trt-cosy build --backend tensorrt`` (``slots`` ≤ the plan's)."""
         trt = load_tensorrt()
         path = Path(path)
@@ -206,7 +194,7 @@ class TrtRunner:
                 f"TensorRT could not load {path} (built by another TensorRT version or for another GPU?). Rebuild "
                 "it with `trt-cosy build --backend tensorrt`."
             )
-        return cls(engine, name, profiles, trt=trt, slots=slots)
+        return cls(engine, name, profiles, trt=trt, slots=slots, external=external)
 
     # -- Runner interface -------------------------------------------------------------------------
 
@@ -226,7 +214,11 @@ class TrtRunner:
         return {n: (tuple(self.profiles.max_shapes()[n]), self._io[n].dtype) for n in self.input_names}
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        arrays = self._prepare(feed)
+        if self.external:
+            raise TrtCosyError(
+                f"graph '{self.name}' reads {sorted(self.external)} from bound device memory; use enqueue."
+            )
+        arrays = self._plan.prepare(feed)
         with self.slot() as index:
             shapes = self.set_shapes({k: v.shape for k, v in arrays.items()}, slot=index)
             self.copy_inputs(arrays, slot=index)
@@ -268,7 +260,7 @@ class TrtRunner:
             if state.shapes.get(name) != shape:
                 self._call(state.context.set_input_shape(name, shape), f"set input '{name}' to {shape}")
                 state.shapes[name] = shape
-        state.output_shapes = {n: _dims(state.context.get_tensor_shape(n)) for n in self.output_names}
+        state.output_shapes = {n: dims(state.context.get_tensor_shape(n)) for n in self.output_names}
         unresolved = {n: s for n, s in state.output_shapes.items() if any(d < 0 for d in s)}
         if unresolved:
             state.shapes = {}  # set them again next time: TensorRT may have kept only part of them
@@ -276,9 +268,12 @@ class TrtRunner:
         return dict(state.output_shapes)
 
     def copy_inputs(self, arrays: Mapping[str, np.ndarray], slot: int = 0) -> None:
-        """Stage ``arrays`` in the slot's pinned buffers and copy them to its device buffers (async)."""
+        """Stage ``arrays`` in the slot's pinned buffers and copy them to its device buffers (async);
+        ``external`` inputs are not copied (they are bound by address)."""
         state = self._slots[slot]
         for name in self.input_names:
+            if name in self.external:
+                continue
             array = np.ascontiguousarray(arrays[name], dtype=self._io[name].dtype)
             self._check_room(state, name, array.nbytes)
             if array.nbytes:
@@ -296,8 +291,12 @@ class TrtRunner:
         """
         state = self._slots[slot]
         for name in self.output_names:
-            self._check_room(state, name, _nbytes(state.output_shapes[name], self._io[name].dtype))
+            self._check_room(state, name, nbytes(state.output_shapes[name], self._io[name].dtype))
         for name in (*self.input_names, *self.output_names):
+            if name in self.external and not (addresses and name in addresses):
+                raise TrtCosyError(
+                    f"graph '{self.name}': '{name}' is bound by address; pass it in addresses."
+                )
             ptr = int(addresses[name]) if addresses and name in addresses else state.device[name].ptr
             if ptr % TENSOR_ALIGNMENT:
                 raise TrtCosyError(
@@ -310,15 +309,16 @@ class TrtRunner:
                 state.addresses[name] = ptr
         self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
 
-    def copy_outputs(self, slot: int = 0) -> dict[str, np.ndarray]:
-        """Queue device -> pinned copies of every output; the views are valid after a synchronize."""
+    def copy_outputs(self, slot: int = 0, names: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """Queue device -> pinned copies of every output (or of ``names``); the views are valid after a
+        synchronize."""
         state, views = self._slots[slot], {}
-        for name in self.output_names:
+        for name in self.output_names if names is None else names:
             shape, dtype = state.output_shapes[name], self._io[name].dtype
-            nbytes = _nbytes(shape, dtype)
-            self._check_room(state, name, nbytes)
-            if nbytes:
-                state.device[name].copy_to_async(state.host[name], nbytes, state.stream)
+            size = nbytes(shape, dtype)
+            self._check_room(state, name, size)
+            if size:
+                state.device[name].copy_to_async(state.host[name], size, state.stream)
             views[name] = state.host[name].view(dtype, shape)
         return views
 
@@ -370,36 +370,6 @@ class TrtRunner:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _check_profiles(self, slots: int) -> None:
-        """The plan must hold profiles.json's profiles once per slot (slot k: k·P … k·P + P − 1)."""
-        rebuild = "Rebuild the plans: run `python -m trt_cosy.build.tensorrt ENGINES_DIR --force`."
-        if set(self.input_names) != set(self.profiles.input_names):
-            raise EngineMismatchError(
-                f"TensorRT plan of '{self.name}' has inputs {sorted(self.input_names)}, the "
-                f"profiles name {sorted(self.profiles.input_names)}. {rebuild}"
-            )
-        total, per_slot = int(self.engine.num_optimization_profiles), len(self.profiles.profiles)
-        if total < per_slot or total % per_slot:
-            raise EngineMismatchError(
-                f"TensorRT plan of '{self.name}' has {total} profiles; profiles.json lists {per_slot} (a plan "
-                f"holds them once per slot). {rebuild}"
-            )
-        if slots > total // per_slot:
-            raise EngineMismatchError(
-                f"TensorRT plan of '{self.name}' was built for {total // per_slot} concurrent slot(s); {slots} "
-                "were asked for (contexts in concurrent use need separate profiles). Use fewer slots or "
-                f"rebuild: `python -m trt_cosy.build.tensorrt ENGINES_DIR --slots {slots}`."
-            )
-        for index in range(total):
-            profile = self.profiles.profiles[index % per_slot]
-            for name, expected in profile.shapes.items():
-                found = tuple(_dims(d) for d in self.engine.get_tensor_profile_shape(name, index))
-                if found != tuple(expected):
-                    raise EngineMismatchError(
-                        f"TensorRT plan of '{self.name}': profile {index} gives '{name}' min/opt/max {found}, "
-                        f"profiles.json's '{profile.name}' says {tuple(expected)}. {rebuild}"
-                    )
-
     def _workspace_size(self, index: int) -> int:
         size = int(self.engine.get_device_memory_size_for_profile_v2(index))
         if size < 0:
@@ -417,8 +387,8 @@ class TrtRunner:
                 "(out of device memory?). Use fewer slots."
             )
         state = _Slot(index, context, Stream(), index * len(self.profiles.profiles), DeviceBuffer())
-        for name, nbytes in sizes.items():
-            state.device[name], state.host[name] = DeviceBuffer(nbytes), PinnedBuffer(nbytes)
+        for name, size in sizes.items():
+            state.device[name], state.host[name] = DeviceBuffer(size), PinnedBuffer(size)
         self._provide_workspace(state, 0)  # memory for the first profile before any profile is selected
         return state
 
@@ -469,51 +439,6 @@ class TrtRunner:
         # promise that they survive, and Polygraphy compares against get_tensor_address()).
         state.profile, state.shapes, state.addresses = profile, {}, {}
 
-    def _max_bytes(self) -> dict[str, int]:
-        """Bytes per tensor at the profile maxima (outputs: shapes TensorRT reports for max inputs).
-
-        The probe context is USER_MANAGED: it only infers shapes (allowed before device memory is set,
-        ``IExecutionContext::updateDeviceMemorySizeForShapes``), so it reserves no activation memory.
-        """
-        sizes = {n: _nbytes(s, self._io[n].dtype) for n, s in self.profiles.max_shapes().items()}
-        strategy = self._trt.ExecutionContextAllocationStrategy.USER_MANAGED
-        probe = self.engine.create_execution_context(strategy)
-        if probe is None:
-            raise TrtCosyError(f"TensorRT could not create an execution context for '{self.name}'.")
-        try:
-            with Stream() as stream:
-                for index, profile in enumerate(self.profiles.profiles):
-                    self._probe_profile(probe, stream, index, profile, sizes)
-                stream.synchronize()
-        finally:
-            del probe  # released before the slots select their profiles
-        return sizes
-
-    def _probe_profile(
-        self, probe: Any, stream: Stream, index: int, profile: Any, sizes: dict[str, int]
-    ) -> None:
-        where = f"TensorRT plan of '{self.name}', profile {index} ('{profile.name}')"
-        try:
-            ok = probe.set_optimization_profile_async(index, stream.ptr)
-        except RuntimeError as exc:
-            raise EngineMismatchError(f"{where} cannot be selected: {exc}. Rebuild the plans.") from exc
-        if ok is False:
-            raise EngineMismatchError(f"{where} cannot be selected. Rebuild the plans.")
-        for name, (_, _, high) in profile.shapes.items():
-            if not probe.set_input_shape(name, high):
-                raise EngineMismatchError(
-                    f"{where} rejects its own maximum shape {high} for '{name}': the plan does not match "
-                    "profiles.json. Rebuild the plans."
-                )
-        for name in self.output_names:
-            shape = _dims(probe.get_tensor_shape(name))
-            if any(d < 0 for d in shape):
-                raise TrtCosyError(
-                    f"{where}: output '{name}' has shape {shape} at the maximum inputs; TensorRT cannot size "
-                    "it before running (data-dependent output shapes are not supported)."
-                )
-            sizes[name] = max(sizes.get(name, 0), _nbytes(shape, self._io[name].dtype))
-
     def _check_room(self, state: _Slot, name: str, nbytes: int) -> None:
         """Buffers never move after load (device pointers may be captured, e.g. by ``DeviceEulerLoop``)."""
         if nbytes > state.device[name].nbytes:
@@ -521,22 +446,6 @@ class TrtRunner:
                 f"graph '{self.name}': '{name}' needs {nbytes} bytes, more than the {state.device[name].nbytes} "
                 "sized from the profile maxima at load. Rebuild the plans."
             )
-
-    def _prepare(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        arrays = {}
-        for name in self.input_names:
-            if name not in feed:
-                raise InputError(
-                    f"graph '{self.name}' needs inputs {list(self.input_names)}; missing '{name}'."
-                )
-            value, dtype = np.asarray(feed[name]), self._io[name].dtype
-            try:  # same_kind: int64 -> int32 and float64 -> float32 pass, float -> int is refused
-                arrays[name] = np.ascontiguousarray(value.astype(dtype, casting="same_kind", copy=False))
-            except TypeError as exc:
-                raise InputError(
-                    f"graph '{self.name}' input '{name}' is {dtype}; got {value.dtype}."
-                ) from exc
-        return arrays
 
     def _call(self, ok: Any, what: str) -> None:
         if ok is False:

@@ -21,15 +21,17 @@ CosyVoice 1 and TensorRT keep per-request decoding.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -104,6 +106,7 @@ class DecodeScheduler:
     """
 
     def __init__(self, model: OrtBatchLLM, slots: KVSlots, vocab: int):
+        _LIVE_SCHEDULERS.add(self)  # closed at interpreter exit (_close_live_schedulers)
         self.model, self.slots = model, slots
         self._stepper = model.decoder(slots, vocab)
         self._rows: list[_Row] = []  # _rows[i] lives in slot i
@@ -289,6 +292,18 @@ def _thread_ids() -> set[int]:
         return set()
 
 
+_LIVE_SCHEDULERS: weakref.WeakSet[DecodeScheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_schedulers() -> None:
+    """Stop every decode loop at interpreter exit, before daemon threads are frozen: a loop thread still
+    inside ONNX Runtime then would be torn down mid-call and abort the process (SIGABRT, "terminate
+    called ..."), e.g. when a program is interrupted while requests decode."""
+    for scheduler in list(_LIVE_SCHEDULERS):
+        scheduler.close()
+
+
 class BatchedLLMStage(LLMStage):
     """``LLMStage`` whose decode steps run in the model's shared ``DecodeScheduler``.
 
@@ -313,10 +328,8 @@ class BatchedLLMStage(LLMStage):
         super().__init__(runner, tables, config)
         qwen = config.qwen
         self._shape = (qwen.num_layers, qwen.num_kv_heads, qwen.head_dim)
-        load = getattr(batch_runner, "load", None)  # a LazyOrtRunner: create the session now
         before = _thread_ids()
-        self.batch_model = OrtBatchLLM(load() if load is not None else batch_runner, qwen.num_layers)
-        kv = KVSlots(slots, qwen.num_layers, qwen.num_kv_heads, positions, qwen.head_dim)
+        self.batch_model, kv = self._batch_backend(batch_runner, slots, positions)
         self.scheduler = DecodeScheduler(self.batch_model, kv, config.speech_vocab_size)
         self.scheduler.pool_threads = tuple(sorted(_thread_ids() - before))  # the new session's threads
         _LOGGER.debug(
@@ -326,6 +339,13 @@ class BatchedLLMStage(LLMStage):
     def render_hold(self) -> contextlib.AbstractContextManager[None]:
         """Pause the shared decode loop for the block (a request renders its first chunk)."""
         return self.scheduler.held()
+
+    def _batch_backend(self, batch_runner: Runner, slots: int, positions: int) -> tuple[Any, Any]:
+        """The batched model and its KV slots (ONNX Runtime here; ``stages.trt_llm_batch`` for TensorRT)."""
+        layers, kv_heads, head_dim = self._shape
+        load = getattr(batch_runner, "load", None)  # a LazyOrtRunner: create the session now
+        model = OrtBatchLLM(load() if load is not None else batch_runner, layers)
+        return model, KVSlots(slots, layers, kv_heads, positions, head_dim)
 
     def _decode(self, lm_input: np.ndarray, sampler: Sampler, min_len: int, max_len: int) -> Iterator[int]:
         if max_len <= 0:

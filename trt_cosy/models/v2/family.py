@@ -119,8 +119,22 @@ class V2Family(Family):
     def _llm_stage(model: LoadedModel, slots: int | None, positions: int | None) -> LLMStage:
         """``BatchedLLMStage`` over the ``llm_batch`` graph when the engines have it and batching is on."""
         from ...runtime.ort import LazyOrtRunner, OrtRunner
+        from ...runtime.trt import TrtRunner
 
         runners, config = model.runners, model.config
+        decode_runner = runners.get("llm_decode")  # TensorRT engines: the plain-ONNX batched decode plan
+        if decode_runner is not None and slots != 0 and isinstance(decode_runner, TrtRunner):
+            from ...stages.llm_batch import DEFAULT_POSITIONS, DEFAULT_SLOTS
+            from ...stages.trt_llm_batch import TrtBatchedLLMStage
+
+            return TrtBatchedLLMStage(
+                runners["llm"],
+                decode_runner,
+                model.llm_tables,
+                config.llm,
+                slots=DEFAULT_SLOTS if slots is None else slots,
+                positions=DEFAULT_POSITIONS if positions is None else positions,
+            )
         batch_runner = runners.get("llm_batch")
         if not isinstance(batch_runner, (OrtRunner, LazyOrtRunner)):
             batch_runner = None  # the batched decoder binds ONNX Runtime buffers; wrapped runners decode alone

@@ -1,7 +1,5 @@
-"""The serving commands of the CLI: ``trt-cosy triton-repo`` and ``trt-cosy serve --ray``.
-
-Registered by ``trt_cosy.cli`` (``main.add_command(triton_repo)``, ``@ray_serve_options`` on ``serve``).
-"""
+"""The serving commands: ``trt-cosy serve`` (one uvicorn process, or a Ray Serve deployment with ``--ray``)
+and ``trt-cosy triton-repo`` (a Triton Inference Server model repository)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ from pathlib import Path
 
 import click
 
-__all__ = ["triton_repo", "ray_serve_options"]
+from .options import backend_option, engines_or_model_dir
 
 
 @click.command("triton-repo")
@@ -36,7 +34,7 @@ __all__ = ["triton_repo", "ray_serve_options"]
 def triton_repo(engines: Path, repo: Path, model_name: str, instances: int, device: str, voices_dir: Path | None,
                 max_queue: int, threads: int | None, decoupled: bool, python_path: tuple[str, ...]) -> None:
     """Write a Triton Inference Server model repository (Python backend) that serves the engines."""
-    from .triton_repo import TritonRepoOptions, write_triton_repo
+    from ..serving.triton_repo import TritonRepoOptions, write_triton_repo
 
     options = TritonRepoOptions(model_name=model_name, instances=instances, device=device, voices_dir=voices_dir,
                                 max_queue=max_queue, decoupled=decoupled, threads=threads, python_path=python_path)
@@ -76,7 +74,7 @@ def ray_serve_options(serve_command):
 
         for module in ("ray", "fastapi", "uvicorn", "python_multipart", "prometheus_client"):
             require(module, "ray")
-        from .ray_app import RayServeOptions, run_ray_serve
+        from ..serving.ray_app import RayServeOptions, run_ray_serve
 
         run_ray_serve(RayServeOptions(
             engines=Path(options["engines"]), voices_dir=options.get("voices_dir"), host=options["host"],
@@ -95,3 +93,52 @@ def ray_serve_options(serve_command):
     )):
         serve = option(serve)
     return serve
+
+
+@click.command()
+@click.option("--engines", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Engines directory from `trt-cosy build`.")
+@click.option("--model-dir", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Official release directory instead of --engines: engines are built into the cache when needed.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Loopback by default; anything else should have --api-key.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of stored voices (default: the trt-cosy cache, voices/<model id>).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per graph.")
+@click.option("--max-concurrent", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Syntheses running at once.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Requests waiting for a slot; more are answered 429.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="Per-request time limit, seconds.")
+@click.option("--api-key", envvar="TRT_COSY_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health and the playground page.")
+@click.option("--stream-default/--no-stream-default", "stream_speech", default=True, show_default=True,
+              help="/v1/audio/speech streams wav and pcm unless the body says stream: false (as OpenAI's).")
+@backend_option()
+@ray_serve_options
+def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
+          threads: int | None, max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None,
+          stream_speech: bool, backend: str) -> None:
+    """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
+    from ..errors import require
+
+    for module in ("fastapi", "uvicorn", "python_multipart", "prometheus_client"):
+        require(module, "serve")
+    from ..download import cache_root
+    from ..server import ServerSettings, run_server
+    from ..synthesis import EngineConfig
+    from ..tts import CosyVoice
+
+    engines = engines_or_model_dir(engines, model_dir, backend)
+    # The shared LLM decode loop gets one KV slot per synthesis the server runs at once.
+    tts = CosyVoice.load(engines, backend=backend, config=EngineConfig(threads=threads, llm_slots=max_concurrent))
+    settings = ServerSettings(
+        voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
+        max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,
+        stream_speech=stream_speech,
+    )
+    click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
+    click.echo(f"playground: http://{host}:{port}/" + ("" if api_key is None else " (API key required)"), err=True)
+    run_server(tts, settings)

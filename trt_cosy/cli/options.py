@@ -1,0 +1,142 @@
+"""Options and helpers shared by the ``trt-cosy`` commands: progress lines, -v after a subcommand,
+the engine options of `say` / `voices` / `serve` / `bench` and how they become an engines directory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt", "openvino")
+SOURCES = ("huggingface", "modelscope")
+
+
+def echo_progress(message: str) -> None:
+    """One progress line on stderr (stdout keeps the command's result)."""
+    click.echo(message, err=True)
+
+
+def log_level(verbose: int) -> int:
+    return logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+
+
+def _more_verbose(ctx: click.Context, param: click.Parameter, verbose: int) -> None:
+    """-v / -vv given after the subcommand: lower the root logger's level (never raise it)."""
+    if verbose:
+        root = logging.getLogger()
+        root.setLevel(min(root.getEffectiveLevel(), log_level(verbose)))
+
+
+def add_verbose_option(command: click.Command) -> None:
+    """Accept -v / -vv after the subcommand too (``trt-cosy say ... -vv``), in every command."""
+    command.params.append(
+        click.Option(["-v", "--verbose"], count=True, expose_value=False, callback=_more_verbose,
+                     help="-v for info, -vv for debug logging.")
+    )
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            add_verbose_option(sub)
+
+
+def check_one_of(**options: object) -> None:
+    given = [name for name, value in options.items() if value is not None]
+    if len(given) > 1:
+        raise click.UsageError(f"pass only one of {', '.join('--' + name for name in options)}.")
+
+
+def engines_dir(
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    precision: str | None,
+    quiet: bool = False,
+    backend: str = "auto",
+) -> Path:
+    """--engines as given; --model-dir built into the cache when needed; neither: the default model."""
+    from ..download import DEFAULT_MODEL, download_model, prepare_engines
+
+    progress = None if quiet else echo_progress
+    check_one_of(engines=engines, **{"model-dir": model_dir})
+    if engines is not None:
+        return engines
+    if model_dir is None:
+        if progress is not None:
+            progress(f"no --engines or --model-dir: using {DEFAULT_MODEL} (downloaded and built on first use)")
+        model_dir = download_model(DEFAULT_MODEL, source, progress=progress)
+    return prepare_engines(model_dir, progress=progress, precision=precision, backend=backend)
+
+
+def engines_or_model_dir(engines: Path | None, model_dir: Path | None, backend: str = "auto") -> Path:
+    """`serve` and `bench`: --engines, or engines built into the cache from --model-dir (one is needed)."""
+    if engines is None and model_dir is None:
+        raise click.UsageError("pass --engines ENGINES (from `trt-cosy build`) or --model-dir RELEASE_DIR.")
+    return engines_dir(engines, model_dir, "huggingface", None, backend=backend)
+
+
+def load_tts(
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    threads: int | None,
+    precision: str | None,
+    quiet: bool = False,
+    backend: str = "auto",
+):
+    from ..synthesis import EngineConfig
+    from ..tts import CosyVoice
+
+    path = engines_dir(engines, model_dir, source, precision, quiet, backend)
+    return CosyVoice.load(path, backend=backend, config=EngineConfig(threads=threads))
+
+
+def backend_option():
+    """--backend of `say`, `voices`, `serve` and `bench`: which engines --model-dir / the default model
+    are built into the cache for (auto: runtime.backend_choice); with --engines, how to load them."""
+    return click.option(
+        "--backend",
+        type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]),
+        default="auto",
+        show_default=True,
+        help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else onnxruntime int4; "
+        "with --engines, the engines' own backend.",
+    )
+
+
+def engine_options(command):
+    """--engines / --model-dir / --source / --threads / --precision / --backend, shared by `say` and `voices`."""
+    options = (
+        click.option(
+            "--engines",
+            type=click.Path(file_okay=False, path_type=Path),
+            default=None,
+            help="Engines directory from `trt-cosy build`.",
+        ),
+        click.option(
+            "--model-dir",
+            type=click.Path(exists=True, file_okay=False, path_type=Path),
+            default=None,
+            help="Official release directory; engines are built into the cache when needed.",
+        ),
+        click.option(
+            "--source",
+            type=click.Choice(SOURCES),
+            default="huggingface",
+            show_default=True,
+            help="Where the default model is downloaded from (neither --engines nor --model-dir).",
+        ),
+        click.option(
+            "--threads", type=int, default=None, help="CPU threads per graph (default: physical cores)."
+        ),
+        click.option(
+            "--precision",
+            type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]),
+            default=None,
+            help="Engines built into the cache for --model-dir / the default model (default: the backend's, "
+            "int4 for onnxruntime, fp16 for tensorrt).",
+        ),
+        backend_option(),
+    )
+    for option in reversed(options):
+        command = option(command)
+    return command

@@ -1,0 +1,184 @@
+"""`trt-cosy say`: speak a text into a wav file, with progress lines, optional playback and a clean Ctrl-C."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from .options import check_one_of, echo_progress, engine_options, load_tts
+
+
+@click.command()
+@click.argument("text")
+@engine_options
+@click.option(
+    "--ref",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Reference recording of the voice (1-30 s).",
+)
+@click.option("--ref-text", default=None, help="Transcript of --ref (zero-shot); without it: cross-lingual.")
+@click.option(
+    "--voice",
+    "voice_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A voice file from `trt-cosy voices save` (instead of --ref).",
+)
+@click.option(
+    "--speaker",
+    default=None,
+    help="A preset speaker (CosyVoice-300M-SFT/-Instruct; see `trt-cosy voices list`).",
+)
+@click.option(
+    "--instruct",
+    default=None,
+    help="How to speak: with --speaker for CosyVoice-300M-Instruct, with --ref/--voice for CosyVoice2/3.",
+)
+@click.option(
+    "-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output wav."
+)
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
+@click.option("--stream", is_flag=True, help="Stream: write (and --play) audio while it is generated.")
+@click.option("--play", is_flag=True, help="Also play the audio as it comes (aplay, paplay or ffplay).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr (errors are still shown).")
+def say(
+    text: str,
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    threads: int | None,
+    precision: str | None,
+    ref: Path | None,
+    ref_text: str | None,
+    voice_file: Path | None,
+    speaker: str | None,
+    instruct: str | None,
+    out: Path,
+    seed: int | None,
+    stream: bool,
+    play: bool,
+    quiet: bool,
+    backend: str,
+) -> None:
+    """Speak TEXT in the voice of --ref, --voice or --speaker into a wav file (written atomically).
+
+    The text is normalised and merged into segments as the official frontend does; segments are
+    spoken one after another (with --stream, each in several chunks as the LLM speaks). Ctrl-C or
+    SIGTERM stops within about a second and leaves no file.
+    """
+    from ..frontend.voice import Voice
+    from ..synthesis import AudioPlayer, SynthesisConfig
+
+    check_one_of(ref=ref, voice=voice_file, speaker=speaker)
+    if ref is None and voice_file is None and speaker is None:
+        raise click.UsageError(
+            "pass --ref ref.wav (with --ref-text for zero-shot), --voice voice.npz or --speaker NAME."
+        )
+    if ref_text is not None and ref is None:
+        raise click.UsageError("--ref-text goes with --ref.")
+    config = SynthesisConfig(stream=stream, instruct=instruct)
+    voice = Voice.load(voice_file) if voice_file is not None else speaker
+    tts = load_tts(engines, model_dir, source, threads, precision, quiet=quiet, backend=backend)
+    if voice is None:
+        voice = tts.voice_from_wav(ref, ref_text)
+    elif isinstance(voice, str):
+        voice = _preset_voice(tts, voice)
+    chunks = tts.synthesize(text, voice, seed=seed, config=config)
+    player = AudioPlayer.open(tts.sample_rate) if play else None
+    if play and player is None:
+        echo_progress("--play: no audio player found (aplay, paplay or ffplay); writing the file only")
+    progress = _SynthesisProgress(stream=stream, quiet=quiet)
+    try:
+        _write_interruptibly(chunks, out, tts.sample_rate, player, progress)
+    except BaseException:
+        if player is not None:
+            player.close(wait=False)
+        raise
+    if player is not None:
+        player.close()  # until everything was played
+    click.echo(f"wrote {out}")
+
+
+def _preset_voice(tts, name: str):
+    """``tts``'s preset speaker ``name``, or an error in command-line terms."""
+    from ..errors import InputError
+
+    if not tts.speakers:
+        raise InputError(
+            f"this model has no preset speakers (only CosyVoice-300M-SFT and -Instruct have them), so "
+            f"--speaker {name} cannot be used; use --ref ref.wav [--ref-text ...] or --voice voice.npz."
+        )
+    if name not in tts.speakers:
+        raise InputError(f"unknown speaker {name!r}; this model has: {', '.join(tts.speakers)}.")
+    return tts.preset_voice(name)
+
+
+_PROGRESS_AFTER_S = 2.0  # synthesis shorter than this prints no progress (unless --stream)
+_HEARTBEAT_S = 5.0  # with no new audio for this long, say that work goes on
+
+
+class _SynthesisProgress:
+    """Progress lines of `say` on stderr: per chunk (segment i/n, audio so far, RTF) and a heartbeat."""
+
+    def __init__(self, stream: bool, quiet: bool):
+        self._clock = time.perf_counter
+        self.stream, self.quiet = stream, quiet
+        self.started = self.last_line = self._clock()
+        self.audio_s = 0.0
+        self.where = "segment 1"
+
+    def chunk(self, chunk) -> None:
+        t = chunk.timings
+        self.audio_s += chunk.duration
+        self.where = f"segment {chunk.segment + 1}/{chunk.segments}"
+        if self.quiet or not (self.stream or t["elapsed_s"] >= _PROGRESS_AFTER_S):
+            return
+        part = f", chunk {chunk.index + 1}" if self.stream else ""
+        first = f"first audio {t['first_audio_s']:.2f} s, " if self.stream else ""
+        self._line(f"{self.where}{part}: {self.audio_s:.2f} s of audio so far "
+                   f"({first}elapsed {t['elapsed_s']:.2f} s, RTF {t['rtf']:.2f})")
+
+    def waiting(self) -> None:
+        now = self._clock()
+        if not self.quiet and now - self.last_line >= _HEARTBEAT_S:
+            self._line(f"still synthesising ({self.where}, {self.audio_s:.2f} s of audio so far, "
+                       f"elapsed {now - self.started:.0f} s)")
+
+    def _line(self, message: str) -> None:
+        self.last_line = self._clock()
+        echo_progress(message)
+
+
+def _temp_files(out: Path) -> set[Path]:
+    """The temporary files ``write_audio`` makes next to ``out`` (``.<name>.<random>.tmp``)."""
+    return set(out.parent.glob(f".{out.name}.*.tmp"))
+
+
+def _write_interruptibly(chunks, out: Path, sample_rate: int, player, progress: _SynthesisProgress) -> None:
+    """``write_audio`` in a worker thread so that Ctrl-C / SIGTERM stop `say` within about a second
+    and leave no file, even while a long graph runs (``trt_cosy.interrupts``)."""
+    from ..interrupts import Interrupted, run_interruptible
+    from ..synthesis import write_audio
+
+    before = _temp_files(out) if out.parent.is_dir() else set()
+
+    def work(stop) -> Path:
+        def on_chunk(chunk) -> None:
+            if stop.is_set():
+                raise Interrupted()  # write_audio removes its temporary file and closes the synthesis
+            if player is not None:
+                player.play(chunk)
+            progress.chunk(chunk)
+
+        return write_audio(chunks, out, sample_rate, on_chunk=on_chunk)
+
+    def abandon() -> None:
+        if player is not None:
+            player.close(wait=False)
+        for path in _temp_files(out) - before:
+            path.unlink(missing_ok=True)
+
+    run_interruptible(work, abandon, on_wait=progress.waiting, name="trt-cosy-say")
