@@ -17,7 +17,7 @@ from .version import __version__
 
 _LOGGER = logging.getLogger(__name__)
 
-_BACKENDS = ("torch", "onnxruntime", "tensorrt", "openvino")
+_BACKENDS = ("torch", "onnxruntime", "tensorrt", "openvino", "mixed")
 
 
 class _Group(click.Group):
@@ -79,7 +79,7 @@ def _add_verbose_option(command: click.Command) -> None:
 @click.option("--model-dir", required=True, type=click.Path(path_type=Path), help="Official release directory.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Engines directory to write (e.g. engines/cosyvoice2/onnxruntime-fp32).")
-@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]), default="auto",
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino", "mixed"]), default="auto",
               show_default=True,
               help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else onnxruntime int4 "
                    "(the fastest measured CPU engines); says which in one line.")
@@ -232,7 +232,7 @@ def _backend_option():
     are built into the cache for (auto: runtime.backend_choice); with --engines, how to load them."""
     return click.option(
         "--backend",
-        type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]),
+        type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino", "mixed"]),
         default="auto",
         show_default=True,
         help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else onnxruntime int4; "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -46,10 +46,19 @@ Progress = Callable[[str], None]
 
 
 def convert_engine_graphs(
-    directory: Path, graph_names: Iterable[str], precision: str, progress: Progress | None = None
+    directory: Path,
+    graph_names: Iterable[str],
+    precision: str,
+    progress: Progress | None = None,
+    fp16_weights: Collection[str] = frozenset(),
 ) -> dict[str, str]:
     """Replace each ``<directory>/<graph>.onnx`` by OpenVINO IR ``<graph>.xml``/``.bin`` (LLM weights
-    compressed for ``int8``/``int4``); return ``{graph: IR file name}``."""
+    compressed for ``int8``/``int4``); return ``{graph: IR file name}``.
+
+    The graphs in ``fp16_weights`` store their float weights as float16 (``compress_to_fp16``): for
+    graphs that compute in bfloat16, so the process does not keep the float32 file mapped beside the
+    CPU plugin's bf16 copies (docs/benchmarks.md, "Mixed engines"); the others store float32.
+    """
     ov = load_openvino()
     directory = Path(directory)
     files = {}
@@ -57,12 +66,12 @@ def convert_engine_graphs(
         start = time.perf_counter()
         source = directory / f"{name}.onnx"
         model = ov.convert_model(str(source))
-        note = ""
+        note = ", float16 weights" if name in fp16_weights else ""
         if precision in _BITS and name in LLM_GRAPHS:
             count = compress_matmul_weights(model, _BITS[precision])
             note = f", {count} MatMul weights {precision}"
         target = directory / f"{name}{IR_SUFFIX}"
-        ov.save_model(model, str(target), compress_to_fp16=False)
+        ov.save_model(model, str(target), compress_to_fp16=name in fp16_weights)
         del model
         source.unlink()
         source.with_name(source.name + ".data").unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -201,18 +201,24 @@ class _quiet:
 
 
 def quantize_engines(
-    directory: Path, precision: str, family: str, progress: Progress | None = None
+    directory: Path,
+    precision: str,
+    family: str,
+    progress: Progress | None = None,
+    only: Collection[str] | None = None,
 ) -> dict[str, str]:
     """Replace the fp32 graphs ``<directory>/<graph>.onnx`` of ``family``'s graph set by their
-    ``precision`` versions in place.
+    ``precision`` versions in place (with ``only``: just those graphs; mixed engines run the others
+    on OpenVINO).
 
-    Returns ``{graph: method}`` for every graph (``"fp32"`` where unchanged).
+    Returns ``{graph: method}`` for every graph (``"fp32"`` where unchanged or not in ``only``).
     """
     directory = Path(directory)
     methods = {}
     for plan in precision_plan(precision, family):
-        methods[plan.graph] = plan.method
-        if plan.method == "fp32":
+        skipped = only is not None and plan.graph not in only
+        methods[plan.graph] = "fp32" if skipped else plan.method
+        if methods[plan.graph] == "fp32":
             continue
         path = directory / f"{plan.graph}.onnx"
         staged = directory / f".{plan.graph}.{plan.method}.onnx"

@@ -42,8 +42,9 @@ _PRECISIONS: Final = {
     "tensorrt": ("fp16", "fp32"),
     "onnxruntime": ("fp32", "int8", "int4"),
     "openvino": ("fp32", "bf16", "int8", "int4"),
+    "mixed": ("fp32", "int8", "int4"),  # the LLM's precision on ONNX Runtime (build.mixed)
 }
-DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16", "openvino": "bf16"}
+DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16", "openvino": "bf16", "mixed": "int4"}
 
 
 @dataclass(frozen=True)
