@@ -166,14 +166,10 @@ def derive_openvino_engines(
     LLM's weights (``compress_matmul_weights``); ``bf16`` changes only the manifest (what a graph
     computes in is decided at load time). The manifest gets the new precision and file sizes.
     """
-    import dataclasses
-    import os
-    import shutil
-    import tempfile
-
     from ..errors import InputError
-    from ..runtime.manifest import MANIFEST_NAME, Manifest
+    from ..runtime.manifest import Manifest
     from ..runtime.openvino import OV_BACKEND, OV_PRECISIONS
+    from .derived import write_derived_engines
 
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
     manifest = Manifest.read(fp32_dir)
@@ -187,10 +183,8 @@ def derive_openvino_engines(
     if out_dir.exists():
         raise InputError(f"{out_dir} exists; choose a new directory for the {precision} engines.")
     ov = load_openvino()
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
-    try:
-        shutil.copytree(fp32_dir, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
-        (staging / MANIFEST_NAME).unlink()  # a hard link to the fp32 manifest: never write through it
+
+    def compress(staging: Path) -> None:
         for name in LLM_GRAPHS & set(manifest.graphs) if precision in _BITS else ():
             start = time.perf_counter()
             xml = staging / manifest.graphs[name].file
@@ -204,24 +198,5 @@ def derive_openvino_engines(
             _LOGGER.info("%s", message)
             if progress is not None:
                 progress(message)
-        files = {
-            path.relative_to(staging).as_posix(): path.stat().st_size
-            for path in sorted(staging.rglob("*"))
-            if path.is_file() and path.name != MANIFEST_NAME
-        }
-        dataclasses.replace(manifest, precision=precision, files=files).write(staging)
-        os.chmod(staging, 0o755)
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
 
-
-def _link_or_copy(source: str, target: str) -> None:
-    import os
-    import shutil
-
-    try:
-        os.link(source, target)  # graphs are replaced by new files, never written through a link
-    except OSError:
-        shutil.copy2(source, target)
+    return write_derived_engines(fp32_dir, out_dir, manifest, precision, compress)
