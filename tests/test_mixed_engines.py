@@ -201,3 +201,20 @@ def test_mixed_engines_load_without_torch(built):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_a_second_load_takes_the_compiled_graphs_from_the_cache(built, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
+    engines = built("mixed", "int4")
+    first = load_engines(engines, threads=1, backend="mixed")
+    assert not first.runners["flow_estimator"].compiled.get_property("LOADED_FROM_CACHE")
+    assert any((tmp_path / "cache" / "openvino").iterdir())
+    second = load_engines(engines, threads=1, backend="mixed")
+    assert second.runners["flow_estimator"].compiled.get_property("LOADED_FROM_CACHE")
+    feed = {
+        name: np.full([dim or 4 for dim in shape], 0.5, dtype)
+        for name, (shape, dtype) in first.runners["hift"].input_specs().items()
+    }
+    np.testing.assert_array_equal(
+        first.runners["hift"].infer(feed)["wav"], second.runners["hift"].infer(feed)["wav"]
+    )

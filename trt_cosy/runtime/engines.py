@@ -172,11 +172,13 @@ def _load_runners(
 
 def _openvino_opener(precision: str, names: list[str], threads: int | None):
     """``open(path, name, lazy) -> runner`` for OpenVINO IR graphs, each compiled in the precision
-    ``graph_precisions`` gives it in engines of ``precision`` (lazy graphs on first use)."""
-    from .openvino import LazyOvRunner, OvRunner, graph_precisions, load_openvino
+    ``graph_precisions`` gives it in engines of ``precision`` (lazy graphs on first use), through
+    OpenVINO's compiled-model cache (``compiled_model_cache``)."""
+    from .openvino import LazyOvRunner, OvRunner, compiled_model_cache, graph_precisions, load_openvino
 
     computes = graph_precisions(precision, tuple(names))
     core = load_openvino().Core()
+    compiled_model_cache(core)  # a later process loads the compiled graphs instead of compiling
 
     def open_graph(path: Path, name: str, lazy: bool) -> Runner:
         if lazy:

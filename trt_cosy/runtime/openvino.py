@@ -37,6 +37,7 @@ __all__ = [
     "load_openvino",
     "cpu_has_bf16",
     "graph_precisions",
+    "compiled_model_cache",
     "pin_sinusoid_arguments",
 ]
 
@@ -107,6 +108,24 @@ def pin_sinusoid_arguments(model: Any) -> int:
     if arguments:
         model.add_outputs(arguments)
     return len(arguments)
+
+
+def compiled_model_cache(core: Any) -> Path | None:
+    """Let ``core`` cache compiled models in ``<trt-cosy cache>/openvino`` (``$TRT_COSY_CACHE``, else
+    ``~/.cache/trt-cosy``); return the folder, or None when it cannot be created (then every load
+    compiles). OpenVINO keys each entry by a hash of the model, device and settings, so a changed
+    graph or precision never loads a stale entry; a hit skips the CPU plugin's weight repacking
+    (the full-size estimator: 4.5 s to compile, 1.3 s from the cache, loaded machine)."""
+    from ..download import cache_root  # the user cache folder (no import at module level: layering)
+
+    folder = cache_root() / "openvino"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        core.set_property({"CACHE_DIR": str(folder)})
+    except Exception as exc:  # a read-only home, or an OpenVINO without caching
+        _LOGGER.info("OpenVINO compiled-model cache disabled: %r", exc)
+        return None
+    return folder
 
 
 def _compile_config(threads: int | None, compute: str) -> dict[str, Any]:
