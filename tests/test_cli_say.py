@@ -155,7 +155,6 @@ def test_say_model_dir_builds_engines_into_the_cache(stub_render, wavs, tmp_path
 
     monkeypatch.setattr(build_module, "build_engines", fake_build)
     monkeypatch.setattr(backend_choice, "gpu_unavailable_reason", lambda: "no GPU (test)")
-    monkeypatch.setattr(backend_choice, "cpu_has_bf16_kernels", lambda: False)  # the portable CPU pick
     out = tmp_path / "out.wav"
     result = _invoke(
         "say", "Hello there.", "--model-dir", release, "--ref", wavs["ref"], "-o", out, "--seed", 1
