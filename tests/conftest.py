@@ -20,3 +20,12 @@ def v2_tiny_dir() -> Path:
 def v2_reference() -> dict[str, np.ndarray]:
     with np.load(V2_TINY / "reference.npz") as data:
         return {key: data[key] for key in data.files}
+
+
+@pytest.fixture(autouse=True)
+def _portable_cpu_pick(monkeypatch):
+    """Tests see the CPU default of a machine without OpenVINO bf16 kernels (ONNX Runtime int4), so
+    their outcome does not depend on the CPU; tests/test_backend_choice.py tests the bf16 pick."""
+    from trt_cosy.runtime import backend_choice
+
+    monkeypatch.setattr(backend_choice, "cpu_has_bf16_kernels", lambda: False)

@@ -20,8 +20,25 @@ from click.testing import CliRunner
 from trt_cosy.cli import main
 from trt_cosy.download import engines_cache_dir, prepare_engines
 from trt_cosy.runtime import backend_choice, cuda
-from trt_cosy.runtime.backend_choice import CPU_PICK, BackendChoice, choose_backend, resolve_backend
+from trt_cosy.runtime.backend_choice import (
+    CPU_PICKS,
+    BackendChoice,
+    choose_backend,
+    cpu_pick,
+    resolve_backend,
+)
 from trt_cosy.runtime.manifest import MANIFEST_NAME, Manifest
+
+
+@pytest.fixture(autouse=True)
+def no_bf16(monkeypatch):
+    """A CPU without OpenVINO bf16 kernels unless a test says otherwise (``bf16``): the portable pick."""
+    monkeypatch.setattr(backend_choice, "cpu_has_bf16_kernels", lambda: False)
+
+
+@pytest.fixture
+def bf16(monkeypatch):
+    monkeypatch.setattr(backend_choice, "cpu_has_bf16_kernels", lambda: True)
 
 
 @pytest.fixture
@@ -57,9 +74,26 @@ def _fake_tensorrt(monkeypatch) -> list[str]:
 
 def test_no_gpu_picks_onnxruntime_int4(no_gpu):
     choice = choose_backend()
-    assert (choice.backend, choice.precision) == CPU_PICK == ("onnxruntime", "int4")
+    assert (choice.backend, choice.precision) == ("onnxruntime", "int4")
+    assert (CPU_PICKS[-1].backend, CPU_PICKS[-1].needs_bf16) == ("onnxruntime", False)  # runs anywhere
     assert "no CUDA GPU with TensorRT here" in choice.reason and "fastest measured CPU" in choice.reason
     assert choice.line() == f"backend: onnxruntime int4 ({choice.reason})"
+
+
+def test_a_bf16_cpu_gets_the_first_pick_that_needs_it(no_gpu, bf16):
+    first = next(pick for pick in CPU_PICKS if pick.needs_bf16)
+    assert cpu_pick() == first == CPU_PICKS[0]
+    choice = choose_backend()
+    assert (choice.backend, choice.precision) == (first.backend, first.precision) == ("mixed", "int4")
+    assert first.reason in choice.reason
+    # another precision goes to the portable pick's backend (fp32 parity engines stay ONNX Runtime)
+    assert (choose_backend("fp32").backend, choose_backend("bf16").backend) == ("onnxruntime", "openvino")
+
+
+def test_bf16_detection_needs_openvino(monkeypatch):
+    monkeypatch.undo()  # the real detection
+    monkeypatch.setitem(sys.modules, "openvino", None)  # find_spec: not importable
+    assert backend_choice.cpu_has_bf16_kernels() is False
 
 
 def test_gpu_with_tensorrt_picks_tensorrt_fp16(gpu):

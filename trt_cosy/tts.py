@@ -53,6 +53,7 @@ _LOGGER = logging.getLogger(__name__)
 _ORT_NAMES: Final = ("auto", "onnxruntime", "ort")
 _TRT_NAMES: Final = ("trt", "tensorrt")
 _OV_NAMES: Final = ("openvino", "ov")
+_MIXED_NAMES: Final = ("mixed",)  # per-graph backends (trt-cosy build --backend mixed)
 
 
 def model_id_from_checkpoint(family: str, checkpoint_hashes: Mapping[str, str]) -> str:
@@ -70,13 +71,15 @@ def _engine_backend(backend: str, path: Path) -> str:
         return "tensorrt"
     if backend in _OV_NAMES:
         return "openvino"
+    if backend in _MIXED_NAMES:
+        return "mixed"
     if backend == "auto":
         from .runtime.manifest import Manifest
 
         try:
             built_for = Manifest.read(path).backend
-            if built_for == "openvino":
-                return "openvino"
+            if built_for in ("openvino", "mixed"):
+                return built_for
             if built_for == "tensorrt":
                 from .runtime.backend_choice import gpu_unavailable_reason
 
@@ -129,9 +132,10 @@ class CosyVoice:
         Args:
             path: the engines directory (``manifest.json``, the graphs, ``tokenizer/``, ``campplus.onnx``,
                 ``speakers.npz`` for the -SFT/-Instruct releases...).
-            backend: ``"auto"`` (OpenVINO engines on OpenVINO, any other on ONNX Runtime),
+            backend: ``"auto"`` (OpenVINO or mixed engines as built, any other on ONNX Runtime),
                 ``"onnxruntime"`` (CPU), ``"openvino"`` (CPU; engines built with ``trt-cosy build
-                --backend openvino``), or ``"trt"`` / ``"tensorrt"`` (the plans of an engines directory
+                --backend openvino``), ``"mixed"`` (CPU; the LLM on ONNX Runtime, the rest on OpenVINO:
+                ``trt-cosy build --backend mixed``), or ``"trt"`` / ``"tensorrt"`` (the plans of an engines directory
                 built with ``trt-cosy build --backend tensorrt``; NVIDIA GPU).
             config: load-time options (threads, default text normaliser).
 
@@ -141,7 +145,7 @@ class CosyVoice:
             InputError: an unknown backend.
         """
         config = config or EngineConfig()
-        names = _ORT_NAMES + _TRT_NAMES + _OV_NAMES
+        names = _ORT_NAMES + _TRT_NAMES + _OV_NAMES + _MIXED_NAMES
         if backend not in names:
             raise InputError(f"unknown backend {backend!r}; use one of {', '.join(names)}.")
         from .models.v1.stages import load_speakers

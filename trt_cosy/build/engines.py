@@ -60,7 +60,7 @@ __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
 
 _LOGGER = logging.getLogger(__name__)
 
-BACKENDS: Final = ("onnxruntime", "tensorrt", "openvino")
+BACKENDS: Final = ("onnxruntime", "tensorrt", "openvino", "mixed")
 PRECISIONS: Final = ("fp32", *QUANTIZED_PRECISIONS)
 # TensorRT builds strongly typed plans from fp16 (or fp32) ONNX graphs; quantised CPU graphs do not apply.
 TRT_PRECISIONS: Final = ("fp16", "fp32")
@@ -94,7 +94,8 @@ def build_engines(
         model_dir: the release directory (``cosyvoice2.yaml``, ``llm.pt``, ``flow.pt``, ``hift.pt``,
             ``CosyVoice-BlankEN/``, optionally ``campplus.onnx`` and ``speech_tokenizer_v2.onnx``).
         out_dir: the engines directory to create or replace.
-        backend: only ``"onnxruntime"`` in this version.
+        backend: ``"onnxruntime"``, ``"tensorrt"``, ``"openvino"`` (``build.openvino``) or ``"mixed"``
+            (the LLM on ONNX Runtime, the other graphs on OpenVINO: ``build.mixed``).
         precision: ``"fp32"``, or ``"int8"``/``"int4"`` (weight-only 8/4-bit LLM, int8 flow
             estimators; see ``build.quantize`` and docs/precision.md). The reduced graphs replace the
             fp32 ones after those passed the torch parity check.
@@ -110,7 +111,7 @@ def build_engines(
         from ..runtime.trt import load_tensorrt
 
         load_tensorrt()  # fail before a long export when plans cannot be built here
-    if backend == "openvino":
+    if backend in ("openvino", "mixed"):
         _check_openvino(precision)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     emit = _emitter(progress)
@@ -240,6 +241,13 @@ def _write_engines(
         }  # I/O as exported
         ir_files = convert_engine_graphs(staging, list(results), precision, progress=emit)
         records = {name: dataclasses.replace(rec, file=ir_files[name]) for name, rec in records.items()}
+    elif backend == "mixed":  # the LLM on ONNX Runtime, the other graphs as OpenVINO IR (build.mixed)
+        from .mixed import split_mixed_graphs
+
+        exported = {name: _graph_record(result, staging) for name, result in results.items()}
+        records = split_mixed_graphs(
+            staging, exported, precision, family, lambda name: _plan_feeds(config, name), progress=emit
+        )
     elif backend == "tensorrt":
         from .tensorrt import prepare_trt_graphs
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -46,10 +46,19 @@ Progress = Callable[[str], None]
 
 
 def convert_engine_graphs(
-    directory: Path, graph_names: Iterable[str], precision: str, progress: Progress | None = None
+    directory: Path,
+    graph_names: Iterable[str],
+    precision: str,
+    progress: Progress | None = None,
+    fp16_weights: Collection[str] = frozenset(),
 ) -> dict[str, str]:
     """Replace each ``<directory>/<graph>.onnx`` by OpenVINO IR ``<graph>.xml``/``.bin`` (LLM weights
-    compressed for ``int8``/``int4``); return ``{graph: IR file name}``."""
+    compressed for ``int8``/``int4``); return ``{graph: IR file name}``.
+
+    The graphs in ``fp16_weights`` store their float weights as float16 (``compress_to_fp16``): for
+    graphs that compute in bfloat16, so the process does not keep the float32 file mapped beside the
+    CPU plugin's bf16 copies (docs/benchmarks.md, "Mixed engines"); the others store float32.
+    """
     ov = load_openvino()
     directory = Path(directory)
     files = {}
@@ -57,12 +66,12 @@ def convert_engine_graphs(
         start = time.perf_counter()
         source = directory / f"{name}.onnx"
         model = ov.convert_model(str(source))
-        note = ""
+        note = ", float16 weights" if name in fp16_weights else ""
         if precision in _BITS and name in LLM_GRAPHS:
             count = compress_matmul_weights(model, _BITS[precision])
             note = f", {count} MatMul weights {precision}"
         target = directory / f"{name}{IR_SUFFIX}"
-        ov.save_model(model, str(target), compress_to_fp16=False)
+        ov.save_model(model, str(target), compress_to_fp16=name in fp16_weights)
         del model
         source.unlink()
         source.with_name(source.name + ".data").unlink(missing_ok=True)
@@ -157,14 +166,10 @@ def derive_openvino_engines(
     LLM's weights (``compress_matmul_weights``); ``bf16`` changes only the manifest (what a graph
     computes in is decided at load time). The manifest gets the new precision and file sizes.
     """
-    import dataclasses
-    import os
-    import shutil
-    import tempfile
-
     from ..errors import InputError
-    from ..runtime.manifest import MANIFEST_NAME, Manifest
+    from ..runtime.manifest import Manifest
     from ..runtime.openvino import OV_BACKEND, OV_PRECISIONS
+    from .derived import write_derived_engines
 
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
     manifest = Manifest.read(fp32_dir)
@@ -178,10 +183,8 @@ def derive_openvino_engines(
     if out_dir.exists():
         raise InputError(f"{out_dir} exists; choose a new directory for the {precision} engines.")
     ov = load_openvino()
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
-    try:
-        shutil.copytree(fp32_dir, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
-        (staging / MANIFEST_NAME).unlink()  # a hard link to the fp32 manifest: never write through it
+
+    def compress(staging: Path) -> None:
         for name in LLM_GRAPHS & set(manifest.graphs) if precision in _BITS else ():
             start = time.perf_counter()
             xml = staging / manifest.graphs[name].file
@@ -195,24 +198,5 @@ def derive_openvino_engines(
             _LOGGER.info("%s", message)
             if progress is not None:
                 progress(message)
-        files = {
-            path.relative_to(staging).as_posix(): path.stat().st_size
-            for path in sorted(staging.rglob("*"))
-            if path.is_file() and path.name != MANIFEST_NAME
-        }
-        dataclasses.replace(manifest, precision=precision, files=files).write(staging)
-        os.chmod(staging, 0o755)
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
 
-
-def _link_or_copy(source: str, target: str) -> None:
-    import os
-    import shutil
-
-    try:
-        os.link(source, target)  # graphs are replaced by new files, never written through a link
-    except OSError:
-        shutil.copy2(source, target)
+    return write_derived_engines(fp32_dir, out_dir, manifest, precision, compress)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -201,18 +201,24 @@ class _quiet:
 
 
 def quantize_engines(
-    directory: Path, precision: str, family: str, progress: Progress | None = None
+    directory: Path,
+    precision: str,
+    family: str,
+    progress: Progress | None = None,
+    only: Collection[str] | None = None,
 ) -> dict[str, str]:
     """Replace the fp32 graphs ``<directory>/<graph>.onnx`` of ``family``'s graph set by their
-    ``precision`` versions in place.
+    ``precision`` versions in place (with ``only``: just those graphs; mixed engines run the others
+    on OpenVINO).
 
-    Returns ``{graph: method}`` for every graph (``"fp32"`` where unchanged).
+    Returns ``{graph: method}`` for every graph (``"fp32"`` where unchanged or not in ``only``).
     """
     directory = Path(directory)
     methods = {}
     for plan in precision_plan(precision, family):
-        methods[plan.graph] = plan.method
-        if plan.method == "fp32":
+        skipped = only is not None and plan.graph not in only
+        methods[plan.graph] = "fp32" if skipped else plan.method
+        if methods[plan.graph] == "fp32":
             continue
         path = directory / f"{plan.graph}.onnx"
         staged = directory / f".{plan.graph}.{plan.method}.onnx"
@@ -255,14 +261,11 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     ``out_dir``, its graphs are quantised in place, the manifest gets the new precision and file
     sizes, and the result is renamed to ``out_dir`` (which must not exist).
     """
-    import dataclasses
     import json
-    import os
-    import shutil
-    import tempfile
 
     from ..runtime.engines import MODEL_CONFIG_NAME
-    from ..runtime.manifest import MANIFEST_NAME, Manifest, model_config_from_dict
+    from ..runtime.manifest import Manifest, model_config_from_dict
+    from .derived import write_derived_engines
     from .ort_llm_batch import BATCH_FILE, batch_graph_record, write_batched_llm
 
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
@@ -274,37 +277,12 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     raw = json.loads((fp32_dir / MODEL_CONFIG_NAME).read_text(encoding="utf-8"))
     family = model_config_from_dict(raw).family
     precision_plan(precision, family)  # an unknown precision or family fails before any copy
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
-    try:
-        shutil.copytree(fp32_dir, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
+
+    def quantize(staging: Path) -> dict:
         quantize_engines(staging, precision, family, progress)
-        if write_batched_llm(staging) is not None:  # from the quantised llm.onnx
-            batch = staging / BATCH_FILE
-            manifest = dataclasses.replace(
-                manifest, graphs={**manifest.graphs, batch.stem: batch_graph_record(batch, staging)}
-            )
-        files = {
-            path.relative_to(staging).as_posix(): path.stat().st_size
-            for path in sorted(staging.rglob("*"))
-            if path.is_file() and path.name != MANIFEST_NAME
-        }
-        (staging / MANIFEST_NAME).unlink()  # a hard link to the fp32 manifest: never write through it
-        dataclasses.replace(manifest, precision=precision, files=files).write(staging)
-        os.chmod(staging, 0o755)
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
+        if write_batched_llm(staging) is None:  # from the quantised llm.onnx
+            return {}
+        batch = staging / BATCH_FILE
+        return {batch.stem: batch_graph_record(batch, staging)}
 
-
-def _link_or_copy(source: str, target: str) -> None:
-    import os
-    import shutil
-
-    if source.endswith(".data"):  # onnx refuses to read external data through a hard link
-        shutil.copy2(source, target)
-        return
-    try:
-        os.link(source, target)  # quantize_engines replaces graphs by rename, never writes into a link
-    except OSError:
-        shutil.copy2(source, target)
+    return write_derived_engines(fp32_dir, out_dir, manifest, precision, quantize)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt", "openvino")
+BACKENDS = ("torch", "onnxruntime", "tensorrt", "openvino", "mixed")
 SOURCES = ("huggingface", "modelscope")
 
 
@@ -95,10 +95,11 @@ def backend_option():
     are built into the cache for (auto: runtime.backend_choice); with --engines, how to load them."""
     return click.option(
         "--backend",
-        type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]),
+        type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino", "mixed"]),
         default="auto",
         show_default=True,
-        help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else onnxruntime int4; "
+        help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else mixed int4 where OpenVINO has "
+        "bf16 kernels, else onnxruntime int4; "
         "with --engines, the engines' own backend.",
     )
 

@@ -1,7 +1,7 @@
 """Which backend and precision ``trt-cosy build`` / ``say`` / ``serve`` use when ``--backend`` is not given.
 
 The machine decides: TensorRT fp16 where a CUDA GPU and TensorRT are present, else the fastest CPU
-engines that pass the quality guard (``CPU_PICK``). The pick is data, with the reason that the CLI
+engines that pass the quality guard and run here (``CPU_PICKS``: bf16-capable CPUs get one, others another). The pick is data, with the reason that the CLI
 prints in one line and the build records in the manifest (``backend_reason``).
 
 Detection never creates a TensorRT object: the CUDA device count is asked first (via cuda-python,
@@ -19,7 +19,9 @@ from typing import Final
 __all__ = [
     "AUTO",
     "BackendChoice",
-    "CPU_PICK",
+    "CPU_PICKS",
+    "CpuPick",
+    "cpu_pick",
     "DEFAULT_PRECISIONS",
     "GPU_PICK",
     "choose_backend",
@@ -31,19 +33,37 @@ _LOGGER = logging.getLogger(__name__)
 
 AUTO: Final = "auto"
 GPU_PICK: Final = ("tensorrt", "fp16")
-# The CPU default. Measured at full size on the 2-core Zen 4 machine (docs/benchmarks.md, "OpenVINO
-# engines"): ONNX Runtime int4 RTF 0.95 against OpenVINO bf16 1.03 end to end, so ONNX Runtime int4
-# stays the CPU pick. Should OpenVINO win a later measurement, this line becomes ("openvino", "bf16")
-# (bf16-capable CPUs only: see runtime.openvino.cpu_has_bf16) and _CPU_REASON says why.
-CPU_PICK: Final = ("onnxruntime", "int4")
-_CPU_REASON: Final = "ONNX Runtime int4 is the fastest measured CPU engine"
+
+
+@dataclass(frozen=True)
+class CpuPick:
+    """One CPU default: its engines, whether it needs bfloat16 kernels (OpenVINO's ``BF16`` capability:
+    AVX512-BF16 or AMX, with the ``openvino`` package installed) and why it is picked."""
+
+    backend: str
+    precision: str
+    needs_bf16: bool
+    reason: str
+
+
+# The CPU defaults, best first: the first whose hardware need this machine meets is picked. Measured
+# at full size on the 2-core Zen 4 machine, median of 3 alternating runs (docs/benchmarks.md, "Mixed
+# engines", 2026-12-01): mixed int4 (the ONNX Runtime int4 LLM, OpenVINO bf16 flow and fp32 HiFT) RTF 0.825
+# against ONNX Runtime int4 0.875 (flow 4.30 vs 4.88 s, HiFT 1.09 vs 1.22 s), faster in every round, mel
+# SNR 40.5 dB vs 38.7 dB (docs/precision.md). Without bf16 kernels (or without openvino) the bf16 flow
+# would run in fp32: ONNX Runtime int4 there.
+CPU_PICKS: Final = (
+    CpuPick("mixed", "int4", True, "ONNX Runtime int4 LLM + OpenVINO flow/HiFT is the fastest measured"),
+    CpuPick("onnxruntime", "int4", False, "ONNX Runtime int4 is the fastest measured CPU engine"),
+)
 # What each backend builds (build.engines checks the same; kept here so the runtime needs no build import).
 _PRECISIONS: Final = {
     "tensorrt": ("fp16", "fp32"),
     "onnxruntime": ("fp32", "int8", "int4"),
     "openvino": ("fp32", "bf16", "int8", "int4"),
+    "mixed": ("fp32", "int8", "int4"),  # the LLM's precision on ONNX Runtime (build.mixed)
 }
-DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16", "openvino": "bf16"}
+DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16", "openvino": "bf16", "mixed": "int4"}
 
 
 @dataclass(frozen=True)
@@ -79,22 +99,47 @@ def gpu_unavailable_reason() -> str | None:
         return f"CUDA detection failed ({type(exc).__name__})"
 
 
+def cpu_has_bf16_kernels() -> bool:
+    """Whether OpenVINO is installed and its CPU plugin has bfloat16 kernels here. Never raises."""
+    try:
+        if importlib.util.find_spec("openvino") is None:
+            return False
+        from .openvino import cpu_has_bf16
+
+        return cpu_has_bf16()
+    except Exception as exc:  # a broken install must not stop a CPU build
+        _LOGGER.info("OpenVINO bf16 detection failed: %r", exc)
+        return False
+
+
+def cpu_pick() -> CpuPick:
+    """The first of ``CPU_PICKS`` this machine can run (the last needs nothing)."""
+    for pick in CPU_PICKS:
+        if not pick.needs_bf16 or cpu_has_bf16_kernels():
+            return pick
+    return CPU_PICKS[-1]
+
+
 def choose_backend(precision: str | None = None) -> BackendChoice:
     """The backend for this machine, at ``precision`` when given (else the pick's own precision).
 
-    A CUDA GPU with TensorRT: ``GPU_PICK``; otherwise ``CPU_PICK``. A ``precision`` the picked backend
+    A CUDA GPU with TensorRT: ``GPU_PICK``; otherwise ``cpu_pick()``. A ``precision`` the picked backend
     does not build moves to the CPU pick's backend, else to the first backend that builds it.
     """
     missing = gpu_unavailable_reason()
+    cpu = None
     if missing is None:
         backend, default, reason = *GPU_PICK, "CUDA GPU with TensorRT found"
     else:
         _LOGGER.info("no TensorRT engines here: %s", missing)
-        backend, default = CPU_PICK
-        reason = f"no CUDA GPU with TensorRT here; {_CPU_REASON}"
+        cpu = cpu_pick()
+        if precision not in (None, cpu.precision):  # another precision: the portable pick's backend
+            cpu = CPU_PICKS[-1]
+        backend, default = cpu.backend, cpu.precision
+        reason = f"no CUDA GPU with TensorRT here; {cpu.reason}"
     if precision is None or precision in _PRECISIONS[backend]:
         return BackendChoice(backend, precision or default, reason)
-    for other in (CPU_PICK[0], *_PRECISIONS):
+    for other in ((cpu or cpu_pick()).backend, *_PRECISIONS):
         if precision in _PRECISIONS[other]:
             return BackendChoice(other, precision, f"{backend} has no {precision} engines; {reason}")
     raise ValueError(f"no backend builds precision {precision!r}")

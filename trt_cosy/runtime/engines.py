@@ -27,6 +27,7 @@ from .ort import LazyOrtRunner, OrtRunner
 __all__ = [
     "load_engines",
     "ORT_BACKEND",
+    "MIXED_BACKEND",
     "TABLE_NAMES",
     "MODEL_CONFIG_NAME",
     "FLOW_NOISE_NAME",
@@ -42,6 +43,7 @@ _LOGGER = logging.getLogger(__name__)
 ORT_BACKEND: Final = "onnxruntime"
 TRT_BACKEND: Final = "tensorrt"
 OV_BACKEND: Final = "openvino"
+MIXED_BACKEND: Final = "mixed"  # per-graph backends: the LLM on ONNX Runtime, the rest on OpenVINO
 AUTO_BACKEND: Final = "auto"  # load_engines: the manifest's backend
 # File names inside an engines directory, shared with the builder (trt_cosy/build/engines.py).
 TABLE_NAMES: Final = ("text_embedding", "speech_embedding", "llm_embedding")  # <name>.npy
@@ -81,7 +83,9 @@ def load_engines(
     whose session is created by its first call, and so do the two LLM graphs when the engines have the
     batched decode graph (only one of them is used); pass ``()`` to create every session now.
     ``backend="openvino"`` compiles the OpenVINO IR of each graph (``runtime.openvino``; lazy graphs
-    on first use); ``backend="auto"`` loads the engines on the backend their manifest names.
+    on first use); ``backend="mixed"`` loads engines built with ``trt-cosy build --backend mixed``
+    (the LLM graphs on ONNX Runtime, the others on OpenVINO, as each graph's manifest record says);
+    ``backend="auto"`` loads the engines on the backend their manifest names.
     """
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
@@ -96,9 +100,7 @@ def load_engines(
         runners: dict[str, Runner] = dict(
             load_plan_runners(engines_dir, slots, checkpoint=checkpoint_digest(manifest.checkpoint))
         )
-    elif backend == OV_BACKEND:
-        runners = _load_openvino_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
-    else:
+    else:  # onnxruntime, openvino or mixed: each graph on its manifest record's backend
         runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
     tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}
     noise_path = engines_dir / FLOW_NOISE_NAME
@@ -134,53 +136,56 @@ def _load_runners(
     threads: int | None,
     lazy_graphs: Collection[str],
 ) -> dict[str, Runner]:
-    runners: dict[str, Runner] = {}
-    for name in specs:
-        record = manifest.graphs.get(name)
-        if record is None:
+    """One runner per graph of ``specs`` (plus ``llm_batch`` when built), each on the backend its
+    manifest record names (``Manifest.graph_backend``: ONNX Runtime or OpenVINO; both in mixed engines).
+
+    Lazy: the graphs in ``lazy_graphs``, and when the engines have the batched decode graph, both
+    LLM graphs (one of them is used: do not hold both weights); nothing when ``lazy_graphs`` is empty.
+    """
+    names = list(specs)
+    lazy = set(lazy_graphs)
+    if graphs.LLM_BATCH.name in manifest.graphs:  # the batched decode graph (stages.llm_batch)
+        names.append(graphs.LLM_BATCH.name)
+        if lazy_graphs:
+            lazy |= {graphs.LLM.name, graphs.LLM_BATCH.name}
+    for name in names:
+        if name not in manifest.graphs:
+            option = "" if manifest.backend == ORT_BACKEND else f" --backend {manifest.backend}"
             raise EngineMismatchError(
-                f"{engines_dir} has no '{name}' graph. Rebuild it: run `trt-cosy build --model-dir DIR "
+                f"{engines_dir} has no '{name}' graph. Rebuild it: run `trt-cosy build{option} --model-dir DIR "
                 f"--out {engines_dir}`."
             )
-        loader = LazyOrtRunner if name in lazy_graphs else OrtRunner.from_path
-        if lazy_graphs and name == graphs.LLM.name and graphs.LLM_BATCH.name in manifest.graphs:
-            loader = LazyOrtRunner  # one of the two LLM sessions is used: do not hold both weights
-        runners[name] = loader(engines_dir / record.file, name, threads, exported=True)
-    batch = manifest.graphs.get(graphs.LLM_BATCH.name)
-    if batch is not None:  # the batched decode graph (stages.llm_batch), created on first use
-        batch_loader = LazyOrtRunner if lazy_graphs else OrtRunner.from_path
-        runners[graphs.LLM_BATCH.name] = batch_loader(
-            engines_dir / batch.file, graphs.LLM_BATCH.name, threads, exported=True
-        )
-    return runners
-
-
-def _load_openvino_runners(
-    engines_dir: Path,
-    manifest: Manifest,
-    specs: dict[str, graphs.GraphSpec],
-    threads: int | None,
-    lazy_graphs: Collection[str],
-) -> dict[str, Runner]:
-    """OpenVINO IR per graph, compiled in the precision ``graph_precisions`` gives its engines."""
-    from .openvino import LazyOvRunner, OvRunner, graph_precisions, load_openvino
-
-    ov = load_openvino()
-    computes = graph_precisions(manifest.precision, tuple(specs))
-    core = ov.Core()
+    open_ov = None
+    ov_names = [name for name in names if manifest.graph_backend(name) == OV_BACKEND]
+    if ov_names:
+        open_ov = _openvino_opener(manifest.precision, ov_names, threads)
     runners: dict[str, Runner] = {}
-    for name in specs:
-        record = manifest.graphs.get(name)
-        if record is None:
-            raise EngineMismatchError(
-                f"{engines_dir} has no '{name}' graph. Rebuild it: run `trt-cosy build --backend openvino "
-                f"--model-dir DIR --out {engines_dir}`."
-            )
-        if name in lazy_graphs:
-            runners[name] = LazyOvRunner(engines_dir / record.file, name, threads, computes[name])
+    for name in names:
+        path = engines_dir / manifest.graphs[name].file
+        if open_ov is not None and name in ov_names:
+            runners[name] = open_ov(path, name, name in lazy)
         else:
-            runners[name] = OvRunner.from_path(engines_dir / record.file, name, threads, computes[name], core)
+            loader = LazyOrtRunner if name in lazy else OrtRunner.from_path
+            runners[name] = loader(path, name, threads, exported=True)
     return runners
+
+
+def _openvino_opener(precision: str, names: list[str], threads: int | None):
+    """``open(path, name, lazy) -> runner`` for OpenVINO IR graphs, each compiled in the precision
+    ``graph_precisions`` gives it in engines of ``precision`` (lazy graphs on first use), through
+    OpenVINO's compiled-model cache (``compiled_model_cache``)."""
+    from .openvino import LazyOvRunner, OvRunner, compiled_model_cache, graph_precisions, load_openvino
+
+    computes = graph_precisions(precision, tuple(names))
+    core = load_openvino().Core()
+    compiled_model_cache(core)  # a later process loads the compiled graphs instead of compiling
+
+    def open_graph(path: Path, name: str, lazy: bool) -> Runner:
+        if lazy:
+            return LazyOvRunner(path, name, threads, computes[name])
+        return OvRunner.from_path(path, name, threads, computes[name], core)
+
+    return open_graph
 
 
 def _check_trt_graphs(engines_dir: Path, family: str) -> None:

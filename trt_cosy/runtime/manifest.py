@@ -69,12 +69,17 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class GraphRecord:
-    """One exported graph: its file, its I/O and the ORT-vs-torch error measured at export."""
+    """One exported graph: its file, its I/O and the ORT-vs-torch error measured at export.
+
+    ``backend``: the runtime that runs this graph, set only in ``"mixed"`` engines (one backend per
+    graph, ``runtime.engines``); None means the manifest's own backend.
+    """
 
     file: str
     inputs: tuple[TensorRecord, ...]
     outputs: tuple[TensorRecord, ...]
     max_errors: dict[str, float] = field(default_factory=dict)
+    backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,15 @@ class Manifest:
     backend_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        raw = dataclasses.asdict(self)
+        for graph in raw["graphs"].values():  # single-backend engines keep the manifest they always had
+            if graph["backend"] is None:
+                del graph["backend"]
+        return raw
+
+    def graph_backend(self, name: str) -> str:
+        """The backend that runs graph ``name``: its own (mixed engines) or the manifest's."""
+        return self.graphs[name].backend or self.backend
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Manifest:
@@ -104,6 +117,7 @@ class Manifest:
                 inputs=tuple(_tensor(t) for t in graph["inputs"]),
                 outputs=tuple(_tensor(t) for t in graph["outputs"]),
                 max_errors={k: float(v) for k, v in graph.get("max_errors", {}).items()},
+                backend=None if graph.get("backend") is None else str(graph["backend"]),
             )
             for name, graph in raw["graphs"].items()
         }

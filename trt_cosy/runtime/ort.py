@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import EngineMismatchError, InputError, MissingDependencyError, ModelDirError, require
 from . import run_scope
+from .lazy import LazyRunner
 
 __all__ = [
     "OrtRunner",
@@ -250,15 +251,15 @@ class OrtRunner:
         return OrtKVDecoder(self, cache_shape)
 
 
-class LazyOrtRunner:
+class LazyOrtRunner(LazyRunner[OrtRunner]):
     """An ``OrtRunner`` whose session is created on first use (thread-safe), e.g. a graph only some
     requests need (the chunk-attention flow estimator of streaming synthesis).
 
     The file is checked at once (``check_now=False``: at first use, for optional frontend models); the
     session is created (once, costing its load time) by the first
     ``infer``, ``input_names``, ``output_names`` or ``input_specs``, or by ``load()``, which a server
-    can call in the background after start-up. On Python < 3.12 ``isinstance(runner, Runner)`` reads
-    the properties, so it creates the session too.
+    can call in the background after start-up (``runtime.lazy.LazyRunner``). On Python < 3.12
+    ``isinstance(runner, Runner)`` reads the properties, so it creates the session too.
     """
 
     def __init__(
@@ -270,49 +271,14 @@ class LazyOrtRunner:
         exported: bool = False,
         check_now: bool = True,
     ):
-        self.name = name
+        super().__init__(name)
         self._path, self._threads, self._exported = Path(path), threads, exported
-        self._runner: OrtRunner | None = None
-        self._lock = threading.Lock()
         if check_now and not self._path.is_file():
             error, remedy = _load_error(exported)
             raise error(f"ONNX model {self._path} for graph '{name}' does not exist. {remedy}")
 
-    @property
-    def loaded(self) -> bool:
-        """Whether the session exists yet."""
-        return self._runner is not None
-
-    def load(self) -> OrtRunner:
-        """The underlying runner, creating its session if this is the first use."""
-        runner = self._runner
-        if runner is not None:  # the hot path: no lock once the session exists
-            return runner
-        with self._lock:
-            if self._runner is None:
-                _LOGGER.debug("creating the deferred session of '%s'", self.name)
-                self._runner = OrtRunner.from_path(
-                    self._path, self.name, self._threads, exported=self._exported
-                )
-            return self._runner
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self.load().input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self.load().output_names
-
-    def input_specs(self) -> dict[str, tuple[tuple[int | str | None, ...], np.dtype | None]]:
-        return self.load().input_specs()
-
-    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.load().infer(feed)
-
-    def kv_decoder(self, cache_shape: tuple[int, ...]) -> OrtKVDecoder:
-        """``OrtRunner.kv_decoder`` of the underlying session (the LLM graph may be deferred)."""
-        return self.load().kv_decoder(cache_shape)
+    def _create(self) -> OrtRunner:
+        return OrtRunner.from_path(self._path, self.name, self._threads, exported=self._exported)
 
 
 class OrtKVDecoder:

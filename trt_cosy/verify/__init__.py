@@ -42,8 +42,8 @@ def load_backend(backend: str, model_dir: Path, engines: Path | None, threads: i
     family_of_release(model_dir)  # a missing or unknown release directory is refused first
     if engines is None:
         raise InputError(f"--backend {backend} needs --engines DIR (built with `trt-cosy build`).")
-    if backend not in ("onnxruntime", "tensorrt", "openvino"):
-        raise InputError(f"unknown backend {backend!r}; use torch, onnxruntime, tensorrt or openvino.")
+    if backend not in ("onnxruntime", "tensorrt", "openvino", "mixed"):
+        raise InputError(f"unknown backend {backend!r}; use torch, onnxruntime, tensorrt, openvino or mixed.")
     from ..runtime.engines import load_engines
 
     return load_engines(engines, threads=threads, model_dir=model_dir, backend=backend)

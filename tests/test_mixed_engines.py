@@ -1,0 +1,220 @@
+"""Mixed engines (build/mixed.py): the LLM on ONNX Runtime, the flow graphs and HiFT on OpenVINO, the
+backend of each graph recorded in the manifest; manifest rules, golden parity, quality, say,
+streaming and concurrency.
+
+Engines of the golden tiny CosyVoice2 checkpoint are built once per module: ``mixed`` fp32 (for the
+golden set: every graph float32) and ``mixed`` int4 (the CPU default where it wins: int4 LLM on ONNX
+Runtime, bf16 flow with float16-stored weights and fp32 HiFT on OpenVINO). Quality bounds as for the
+OpenVINO engines (docs/precision.md): flow mel SNR >= 35 dB against fp32 ONNX Runtime engines (43-47 dB
+measured), LLM KL <= 0.01 nats.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+from _support import BLOCK_TORCH, tiny_release
+from click.testing import CliRunner
+
+ov = pytest.importorskip("openvino", reason="mixed engines need `pip install 'trt-cosy[openvino]'`")
+
+from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
+from trt_cosy.bench.quality import QualityInputs, quality_guard  # noqa: E402
+from trt_cosy.build.engines import build_engines  # noqa: E402
+from trt_cosy.cli import main  # noqa: E402
+from trt_cosy.errors import EngineMismatchError  # noqa: E402
+from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402
+from trt_cosy.runtime.manifest import Manifest  # noqa: E402
+from trt_cosy.runtime.openvino import LazyOvRunner, OvRunner, cpu_has_bf16  # noqa: E402
+from trt_cosy.runtime.ort import LazyOrtRunner, OrtRunner  # noqa: E402
+
+V2_GOLDEN = Path(__file__).parent / "data" / "cosyvoice2-tiny"
+MEL_SNR_BOUND = 35.0  # dB, bf16 flow vs fp32 (measured 46.6 dB on these inputs)
+KL_BOUND = 0.01  # nats, LLM next-token KL mean vs fp32
+ORT_GRAPHS = {"llm", "llm_batch"}
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> Path:
+    return tiny_release(tmp_path_factory, V2_GOLDEN)
+
+
+@pytest.fixture(scope="module")
+def built(release, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(backend: str, precision: str) -> Path:
+        if (backend, precision) not in made:
+            made[backend, precision] = build_engines(
+                release, root / f"{backend}-{precision}", backend=backend, precision=precision
+            )
+        return made[backend, precision]
+
+    return get
+
+
+@pytest.mark.parametrize("precision", ("fp32", "int4"))
+def test_manifest_records_the_backend_of_each_graph(built, precision):
+    engines = built("mixed", precision)
+    manifest = Manifest.read(engines)
+    assert (manifest.backend, manifest.precision) == ("mixed", precision)
+    assert set(manifest.graphs) == set(graph_specs("v2")) | {"llm_batch"}
+    for name, record in manifest.graphs.items():
+        if name in ORT_GRAPHS:
+            assert (record.backend, record.file) == ("onnxruntime", f"{name}.onnx"), record
+        else:
+            assert (record.backend, record.file) == ("openvino", f"{name}.xml"), record
+            assert not (engines / f"{name}.onnx").exists()
+    # bf16-computing graphs store float16 weights (about half the float32 file); HiFT stays float32
+    fp32_sizes = Manifest.read(built("mixed", "fp32")).files
+    ratio = {
+        name: manifest.files[f"{name}.bin"] / fp32_sizes[f"{name}.bin"] for name in ("flow_estimator", "hift")
+    }
+    if precision == "int4":
+        assert ratio["flow_estimator"] < 0.6 and ratio["hift"] == 1.0, ratio
+        assert manifest.files["llm.onnx"] < 0.5 * fp32_sizes["llm.onnx"]  # MatMulNBits weights
+    else:
+        assert ratio == {"flow_estimator": 1.0, "hift": 1.0}
+
+
+def test_single_backend_manifests_have_no_graph_backends(built, release, tmp_path):
+    raw = Manifest.read(built("mixed", "int4")).to_dict()
+    assert {graph["backend"] for graph in raw["graphs"].values()} == {"onnxruntime", "openvino"}
+    plain = Manifest.read(built("onnxruntime", "fp32"))
+    assert all("backend" not in graph for graph in plain.to_dict()["graphs"].values())
+    assert all(plain.graph_backend(name) == "onnxruntime" for name in plain.graphs)
+
+
+def test_each_graph_loads_on_its_backend(built):
+    model = load_engines(built("mixed", "int4"), threads=1, backend="auto")
+    assert model.backend == "mixed"
+    kinds = {name: type(runner) for name, runner in model.runners.items()}
+    assert kinds["llm"] is LazyOrtRunner and kinds["llm_batch"] is LazyOrtRunner  # one of them is used
+    assert kinds["flow_estimator"] is OvRunner and kinds["hift"] is OvRunner
+    assert kinds["flow_estimator_stream"] is LazyOvRunner
+    eager = load_engines(built("mixed", "int4"), threads=1, backend="mixed", lazy_graphs=())
+    assert (
+        type(eager.runners["llm"]) is OrtRunner and type(eager.runners["flow_estimator_stream"]) is OvRunner
+    )
+    if cpu_has_bf16():
+        assert "bfloat16" in eager.runners["flow_estimator"].inference_precision
+    assert "float32" in eager.runners["hift"].inference_precision
+
+
+def test_foreign_and_stale_engines_are_refused(built, tmp_path):
+    mixed = built("mixed", "int4")
+    with pytest.raises(EngineMismatchError, match="built for backend 'mixed', not 'onnxruntime'"):
+        load_engines(mixed, backend="onnxruntime")
+    with pytest.raises(EngineMismatchError, match="built for backend 'mixed', not 'openvino'"):
+        load_engines(mixed, backend="openvino")
+    with pytest.raises(EngineMismatchError, match="built for backend 'onnxruntime', not 'mixed'"):
+        load_engines(built("onnxruntime", "fp32"), backend="mixed")
+    copy = tmp_path / "engines"
+    shutil.copytree(mixed, copy)
+    (copy / "flow_estimator.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(EngineMismatchError, match="flow_estimator.bin has 16 bytes"):
+        load_engines(copy, backend="mixed")
+
+
+def test_fp32_mixed_engines_pass_the_golden_set(built, release):
+    """`trt-cosy verify --backend mixed` (every stage, all tolerances)."""
+    result = CliRunner().invoke(
+        main,
+        ["verify", "--model-dir", str(release), "--golden", str(V2_GOLDEN / "reference.npz"),
+         "--backend", "mixed", "--engines", str(built("mixed", "fp32")), "--threads", "1"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "0 failed" in result.output, result.output
+
+
+def test_int4_mixed_engines_pass_the_quality_guard(built):
+    with np.load(V2_GOLDEN / "reference.npz") as data:
+        inputs = QualityInputs.from_golden({key: data[key] for key in data.files})
+    reference = load_engines(built("onnxruntime", "fp32"), threads=1, backend="auto")
+    candidate = load_engines(built("mixed", "int4"), threads=1, backend="auto")
+    rows = {row.metric: row.value for row in quality_guard(reference, candidate, inputs)}
+    assert rows["llm_kl_mean"] <= KL_BOUND, rows
+    assert rows["flow_mel_snr_db"] >= MEL_SNR_BOUND, rows
+    assert rows["hift_wav_snr_db"] >= 60.0, rows  # fp32 on OpenVINO against fp32 on ONNX Runtime
+
+
+def test_say_and_streaming_and_concurrency(built, tmp_path):
+    engines = built("mixed", "int4")
+    ref = tmp_path / "ref.wav"
+    soundfile.write(ref, 0.1 * np.sin(np.linspace(0, 900, 24000 * 2)).astype(np.float32), 24000)
+    out = tmp_path / "mixed.wav"
+    result = CliRunner().invoke(
+        main,
+        ["say", "Hello there.", "--engines", str(engines), "--ref", str(ref), "--ref-text", "a test",
+         "-o", str(out), "--seed", "0", "--threads", "1"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    audio, rate = soundfile.read(out)
+    assert rate == 24000 and audio.size > 0 and np.isfinite(audio).all()
+
+    tts = CosyVoice.load(engines, config=EngineConfig(threads=1, normalizer="none"))
+    assert tts.model.backend == "mixed"
+    voice = tts.voice_from_wav(ref, "a test")
+    texts = ("Hello there.", "A second sentence, somewhat longer.", "Third.")
+
+    def speak(text: str, stream: bool = False) -> np.ndarray:
+        chunks = tts.synthesize(text, voice, seed=1, config=SynthesisConfig(stream=stream))
+        return np.concatenate([chunk.samples for chunk in chunks])
+
+    alone = [speak(text) for text in texts]
+    together: list[np.ndarray | None] = [None] * len(texts)
+
+    def run(index: int) -> None:
+        together[index] = speak(texts[index])
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(texts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for one, many in zip(alone, together, strict=True):  # the batched LLM decodes the same tokens
+        np.testing.assert_allclose(many, one, atol=1e-4)
+    streamed = speak(texts[1], stream=True)
+    assert streamed.size > 0 and np.isfinite(streamed).all()
+
+
+def test_mixed_engines_load_without_torch(built):
+    code = BLOCK_TORCH + textwrap.dedent(
+        f"""
+        from trt_cosy import CosyVoice, EngineConfig
+        tts = CosyVoice.load({str(built("mixed", "int4"))!r}, config=EngineConfig(threads=1))
+        assert tts.model.backend == "mixed"
+        assert "torch" not in sys.modules
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_a_second_load_takes_the_compiled_graphs_from_the_cache(built, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
+    engines = built("mixed", "int4")
+    first = load_engines(engines, threads=1, backend="mixed")
+    assert not first.runners["flow_estimator"].compiled.get_property("LOADED_FROM_CACHE")
+    assert any((tmp_path / "cache" / "openvino").iterdir())
+    second = load_engines(engines, threads=1, backend="mixed")
+    assert second.runners["flow_estimator"].compiled.get_property("LOADED_FROM_CACHE")
+    feed = {
+        name: np.full([dim or 4 for dim in shape], 0.5, dtype)
+        for name, (shape, dtype) in first.runners["hift"].input_specs().items()
+    }
+    np.testing.assert_array_equal(
+        first.runners["hift"].infer(feed)["wav"], second.runners["hift"].infer(feed)["wav"]
+    )
