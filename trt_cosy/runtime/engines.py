@@ -152,6 +152,12 @@ def _load_runners(
         runners[graphs.LLM_BATCH.name] = batch_loader(
             engines_dir / batch.file, graphs.LLM_BATCH.name, threads, exported=True
         )
+    incremental = manifest.graphs.get(graphs.FLOW_ESTIMATOR_INCREMENTAL.name)
+    if incremental is not None:  # streaming chunks over new frames only (stages.flow_incremental)
+        loader = LazyOrtRunner if lazy_graphs else OrtRunner.from_path
+        runners[graphs.FLOW_ESTIMATOR_INCREMENTAL.name] = loader(
+            engines_dir / incremental.file, graphs.FLOW_ESTIMATOR_INCREMENTAL.name, threads, exported=True
+        )
     return runners
 
 

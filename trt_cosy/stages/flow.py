@@ -19,6 +19,7 @@ from ..config import FlowConfig
 from ..errors import InputError
 from ..runtime.base import Runner
 from ..runtime.euler import FLOW_STEP, FLOW_STEP_STREAM, DeviceEulerLoop, guidance_feed, step_schedule
+from .flow_incremental import DEFAULT_LIMIT_BYTES, FlowCache, solve_euler_incremental
 
 __all__ = ["FlowOutput", "FlowStage", "cosine_t_span", "solve_euler", "device_euler_loops"]
 
@@ -134,6 +135,9 @@ class FlowStage:
         step_loops: optional ``{streaming: DeviceEulerLoop}`` (``device_euler_loops``): the whole
             Euler solve chained on the GPU through the step graphs, instead of ``solve_euler``'s
             host loop; the guidance rate and step count are baked into the step graphs and schedule.
+        incremental_runner: optional ``FLOW_ESTIMATOR_INCREMENTAL`` contract: streaming chunks given
+            a ``FlowCache`` (``new_cache``) compute their new frames only (``stages.flow_incremental``).
+        cache_limit_bytes: the most one segment's ``FlowCache`` holds before it recomputes.
     """
 
     def __init__(
@@ -144,13 +148,24 @@ class FlowStage:
         noise: np.ndarray,
         config: FlowConfig,
         step_loops: Mapping[bool, DeviceEulerLoop] | None = None,
+        incremental_runner: Runner | None = None,
+        cache_limit_bytes: int = DEFAULT_LIMIT_BYTES,
     ):
         self.step_loops = dict(step_loops or {})
+        self.incremental_runner = incremental_runner
+        self.cache_limit_bytes = cache_limit_bytes
         self.encoder_runner = encoder_runner
         self.estimator_runner = estimator_runner
         self.estimator_stream_runner = estimator_stream_runner
         self.noise = noise
         self.config = config
+
+    def new_cache(self) -> FlowCache | None:
+        """A ``FlowCache`` for one streaming segment, or None without the incremental graph (the
+        chunks then recompute from the start, as the official code does)."""
+        if self.incremental_runner is None:
+            return None
+        return FlowCache(self.config.estimator, self.config.cfm.n_timesteps, self.cache_limit_bytes)
 
     def _check(self, all_tokens: np.ndarray, prompt_feat: np.ndarray, finalize: bool) -> None:
         lookahead = self.config.encoder.pre_lookahead_len
@@ -208,6 +223,7 @@ class FlowStage:
         embedding: np.ndarray,
         streaming: bool,
         finalize: bool,
+        cache: FlowCache | None = None,
     ) -> FlowOutput:
         """Run the flow on ``prompt_tokens ++ tokens`` (official ``flow.inference``, batch 1).
 
@@ -218,6 +234,8 @@ class FlowStage:
             embedding: speaker embedding [1, 192].
             streaming: chunk attention (25 tokens / 50 frames) instead of full attention.
             finalize: the last chunk: no look-ahead tokens are held back.
+            cache: the segment's ``FlowCache`` (``new_cache``): a streaming call computes only the
+                frames after the cached ones (same result); the cache is released after ``finalize``.
 
         Returns:
             ``FlowOutput(mel [1, 80, T - 2P], mu [1, 80, T])``.
@@ -233,19 +251,33 @@ class FlowStage:
         mask = np.ones((1, 1, frames), np.float32)  # [1, 1, T]
         noise = self.noise[:, :, :frames]  # [1, 80, T]
         loop = self.step_loops.get(streaming)
-        if loop is not None:  # TensorRT: all steps queued on the device, one synchronize
+        cfm = self.config.cfm
+        if cache is not None and streaming and self.incremental_runner is not None and cache.usable_for(frames):
+            mel = solve_euler_incremental(
+                self.incremental_runner,
+                cache,
+                mu,
+                spks,
+                cond,
+                noise,
+                cosine_t_span(cfm.n_timesteps),
+                cfm.inference_cfg_rate,
+            )  # [1, 80, T]
+        elif loop is not None:  # TensorRT: all steps queued on the device, one synchronize
             mel = loop.run(guidance_feed(noise, mu, mask, spks, cond))  # [1, 80, T]
         else:
             estimator = self.estimator_stream_runner if streaming else self.estimator_runner
-            cfm = self.config.cfm
             mel = solve_euler(
                 estimator, mu, mask, spks, cond, noise, cfm.n_timesteps, cfm.inference_cfg_rate
             )  # [1, 80, T]
         _LOGGER.debug(
-            "flow: %d tokens -> %d frames (streaming=%s, finalize=%s)",
+            "flow: %d tokens -> %d frames (streaming=%s, finalize=%s, cached=%s)",
             all_tokens.shape[1],
             frames,
             streaming,
             finalize,
+            "-" if cache is None else cache.frames,
         )
+        if cache is not None and finalize:
+            cache.release()
         return FlowOutput(mel=mel[:, :, prompt_frames:], mu=mu)
