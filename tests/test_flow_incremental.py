@@ -76,9 +76,9 @@ def golden(v2_tiny_dir) -> GoldenSet:
     return GoldenSet.load(v2_tiny_dir / "reference.npz")
 
 
-def _flow(model, incremental: bool, limit: int | None = None) -> FlowStage:
+def _flow(model, incremental: bool, limit: int | None = None, voice_slots: int = 0) -> FlowStage:
     runners = model.runners
-    extra = {} if limit is None else {"cache_limit_bytes": limit}
+    extra = {"voice_slots": voice_slots} | ({} if limit is None else {"cache_limit_bytes": limit})
     return FlowStage(
         runners[graphs.FLOW_ENCODER.name],
         runners[graphs.FLOW_ESTIMATOR.name],
@@ -128,6 +128,57 @@ def test_incremental_chunks_equal_recomputed_chunks(tiny_ort, golden, schedule):
     assert held[:-1] == frames and held[-1] == 0 and cache.nbytes < 2**20
 
 
+class _Recording:
+    """Records the new-frame count T of every call."""
+
+    def __init__(self, inner):
+        self.inner, self.frames = inner, []
+
+    @property
+    def input_names(self):
+        return self.inner.input_names
+
+    @property
+    def output_names(self):
+        return self.inner.output_names
+
+    def infer(self, feed):
+        self.frames.append(feed["x"].shape[2])
+        return self.inner.infer(feed)
+
+
+@pytest.mark.slow
+def test_a_voice_prefix_spares_later_first_chunks_the_prompt_frames(tiny_ort):
+    model = tiny_ort.model
+    rng = np.random.default_rng(2)
+    prompt_tokens = 60  # the golden prompts (12, 25 tokens) hold no chunk with its look-ahead
+    prompt = (
+        rng.integers(0, model.config.flow.vocab_size, (1, prompt_tokens)),  # [1, P]
+        rng.normal(-5.0, 2.0, (1, 2 * prompt_tokens, 80)).astype(np.float32),  # [1, 2P, 80]
+        rng.standard_normal((1, 192)).astype(np.float32),  # [1, 192]
+    )
+    tokens = rng.integers(0, model.config.flow.vocab_size, (1, 120))
+    first = hop_schedule(prompt_tokens, True, 25, 3, "official").plan_all(tokens.shape[1])[0]
+    flow, reference = _flow(model, True, voice_slots=1), _flow(model, False)
+    flow.incremental_runner = recording = _Recording(flow.incremental_runner)
+    steps = model.config.flow.cfm.n_timesteps
+    args = (tokens[:, : first.end], *prompt)
+    want = reference.token2mel(*args, streaming=True, finalize=False).mel
+    frames = 2 * (prompt_tokens + first.end - 3)
+    prefix = 50 * ((prompt_tokens - 3) // 25)  # completed prompt chunks whose look-ahead is prompt: 100
+    for request in range(2):
+        got = flow.token2mel(*args, streaming=True, finalize=False, cache=flow.new_cache()).mel
+        assert float(np.abs(got - want).max()) <= MEL_TOLERANCE, request
+    # Request 1: the prefix (once per voice), then the new frames; request 2: the new frames only.
+    assert recording.frames == [prefix] * steps + [frames - prefix] * (2 * steps)
+    assert (
+        flow.voice_prefixes.nbytes >= prefix * FlowCache(model.config.flow.estimator, steps).bytes_per_frame
+    )
+    other = (prompt[0][:, ::-1].copy(), *prompt[1:])  # another voice: the slot is replaced
+    flow.token2mel(tokens[:, : first.end], *other, streaming=True, finalize=False, cache=flow.new_cache())
+    assert len(flow.voice_prefixes._entries) == 1
+
+
 @pytest.mark.slow
 def test_past_the_limit_the_segment_recomputes(tiny_ort, golden, caplog):
     model = tiny_ort.model
@@ -165,7 +216,8 @@ def test_streaming_requests_use_the_incremental_graph_and_match_recomputation(ti
     chunks = list(tts.synthesize(TEXT_100, voice, seed=3, config=ONE_SEGMENT))
     steps = tiny_ort.model.config.flow.cfm.n_timesteps
     assert [chunk.timings["tokens"] for chunk in chunks] == [38, 50, 12]
-    assert counters[graphs.FLOW_ESTIMATOR_INCREMENTAL.name].calls == 2 * steps  # the two streaming chunks
+    # The voice's prompt prefix (37 prompt tokens: one chunk), then the two streaming chunks.
+    assert counters[graphs.FLOW_ESTIMATOR_INCREMENTAL.name].calls == 3 * steps
     assert counters[graphs.FLOW_ESTIMATOR_STREAM.name].calls == 0
     assert counters[graphs.FLOW_ESTIMATOR.name].calls == steps  # the official final full-attention call
     flow = tts._stages.flow
@@ -202,3 +254,17 @@ def test_engines_without_the_graph_load_and_recompute(tmp_path_factory, v2_tiny_
         stages = V2Family().build_stages(model)
     assert stages.flow.new_cache() is None
     assert "streaming chunks recompute" in caplog.text
+
+
+@pytest.mark.slow
+def test_verify_stream_rows_pass_through_the_incremental_flow(tiny_ort, golden):
+    """`trt-cosy verify --backend onnxruntime` on the tiny golden set: its streaming chunks now run
+    the incremental estimator (one cache per scenario, as a request), and every row stays ok."""
+    from trt_cosy.verify import run_verify
+
+    model = tiny_ort.model
+    assert graphs.FLOW_ESTIMATOR_INCREMENTAL.name in model.runners
+    rows = [row for row in run_verify(model, golden) if row.key.startswith(("stream_", "streampad_"))]
+    assert len(rows) >= 30 and any(row.key == "stream_c1_flow_mel" for row in rows)
+    failed = [f"{row.key} {row.max_abs_err}" for row in rows if row.status not in ("ok", "skipped")]
+    assert not failed, failed

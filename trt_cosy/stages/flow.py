@@ -19,7 +19,13 @@ from ..config import FlowConfig
 from ..errors import InputError
 from ..runtime.base import Runner
 from ..runtime.euler import FLOW_STEP, FLOW_STEP_STREAM, DeviceEulerLoop, guidance_feed, step_schedule
-from .flow_incremental import DEFAULT_LIMIT_BYTES, FlowCache, solve_euler_incremental
+from .flow_incremental import (
+    DEFAULT_LIMIT_BYTES,
+    DEFAULT_VOICE_SLOTS,
+    FlowCache,
+    VoicePrefixes,
+    solve_euler_incremental,
+)
 
 __all__ = ["FlowOutput", "FlowStage", "cosine_t_span", "solve_euler", "device_euler_loops"]
 
@@ -138,6 +144,8 @@ class FlowStage:
         incremental_runner: optional ``FLOW_ESTIMATOR_INCREMENTAL`` contract: streaming chunks given
             a ``FlowCache`` (``new_cache``) compute their new frames only (``stages.flow_incremental``).
         cache_limit_bytes: the most one segment's ``FlowCache`` holds before it recomputes.
+        voice_slots: voices whose prompt prefix (``VoicePrefixes``) is kept for the first chunks of
+            later requests; 0: every first chunk computes the prompt frames again.
     """
 
     def __init__(
@@ -150,7 +158,9 @@ class FlowStage:
         step_loops: Mapping[bool, DeviceEulerLoop] | None = None,
         incremental_runner: Runner | None = None,
         cache_limit_bytes: int = DEFAULT_LIMIT_BYTES,
+        voice_slots: int = DEFAULT_VOICE_SLOTS,
     ):
+        self.voice_prefixes = VoicePrefixes(voice_slots)
         self.step_loops = dict(step_loops or {})
         self.incremental_runner = incremental_runner
         self.cache_limit_bytes = cache_limit_bytes
@@ -166,6 +176,45 @@ class FlowStage:
         if self.incremental_runner is None:
             return None
         return FlowCache(self.config.estimator, self.config.cfm.n_timesteps, self.cache_limit_bytes)
+
+    def _load_prefix(
+        self, cache: FlowCache, prompt_tokens: np.ndarray, prompt_feat: np.ndarray, embedding: np.ndarray
+    ) -> None:
+        """Start a fresh segment cache from its voice's prompt prefix (computed on first use).
+
+        The prefix is the prompt's completed chunks whose encoder look-ahead stays in the prompt: their
+        frames come out the same in every streaming call with this voice.
+        """
+        lookahead = self.config.encoder.pre_lookahead_len
+        chunk_tokens = self.config.estimator.static_chunk_size // self.config.token_mel_ratio
+        chunks = (prompt_tokens.shape[1] - lookahead) // chunk_tokens
+        if chunks <= 0 or self.voice_prefixes.slots <= 0:
+            return
+        key = VoicePrefixes.key(prompt_tokens, prompt_feat, embedding)
+        prefix = self.voice_prefixes.get(key)
+        if prefix is None:
+            tokens = prompt_tokens[:, : chunks * chunk_tokens + lookahead]  # [1, n + L]
+            mu, spks = self._encode(tokens, embedding, streaming=True, finalize=False)  # mu: [1, 80, 2n]
+            frames = mu.shape[2]
+            prefix = FlowCache(self.config.estimator, self.config.cfm.n_timesteps, self.cache_limit_bytes)
+            if not prefix.usable_for(frames):
+                return
+            cond = np.zeros_like(mu)  # [1, 80, 2n]
+            cond[0] = prompt_feat[0, :frames].T
+            cfm = self.config.cfm
+            solve_euler_incremental(
+                self.incremental_runner,
+                prefix,
+                mu,
+                spks,
+                cond,
+                self.noise[:, :, :frames],
+                cosine_t_span(cfm.n_timesteps),
+                cfm.inference_cfg_rate,
+            )
+            self.voice_prefixes.put(key, prefix)
+            _LOGGER.debug("flow: voice prefix of %d frames computed (%.0f MiB)", frames, prefix.nbytes / 2**20)
+        cache.load(prefix)
 
     def _check(self, all_tokens: np.ndarray, prompt_feat: np.ndarray, finalize: bool) -> None:
         lookahead = self.config.encoder.pre_lookahead_len
@@ -252,7 +301,10 @@ class FlowStage:
         noise = self.noise[:, :, :frames]  # [1, 80, T]
         loop = self.step_loops.get(streaming)
         cfm = self.config.cfm
-        if cache is not None and streaming and self.incremental_runner is not None and cache.usable_for(frames):
+        incremental = cache is not None and streaming and self.incremental_runner is not None
+        if incremental and cache.frames == 0 and cache.disabled is None:
+            self._load_prefix(cache, prompt_tokens.astype(np.int64), prompt_feat, embedding)
+        if incremental and cache.usable_for(frames):
             mel = solve_euler_incremental(
                 self.incremental_runner,
                 cache,

@@ -17,7 +17,10 @@ as without it. The final full-attention call (official) never uses it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Final
 
@@ -26,11 +29,21 @@ import numpy as np
 from ..config import EstimatorConfig
 from ..runtime.base import Runner
 
-__all__ = ["DEFAULT_LIMIT_BYTES", "FlowCache", "cache_layout", "solve_euler_incremental"]
+__all__ = [
+    "DEFAULT_LIMIT_BYTES",
+    "DEFAULT_VOICE_SLOTS",
+    "FlowCache",
+    "VoicePrefixes",
+    "cache_layout",
+    "solve_euler_incremental",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_LIMIT_BYTES: Final = 2 << 30  # 2 GiB per segment: ~1870 frames (37 s of prompt + speech) at full size
+DEFAULT_VOICE_SLOTS: Final = (
+    2  # voices whose prompt prefix ``VoicePrefixes`` keeps (~220 MiB each, 5 s prompt)
+)
 _TAIL: Final = 2  # causal kernel 3 - 1
 
 
@@ -115,11 +128,68 @@ class FlowCache:
             self._blocks[step] = np.concatenate([self._blocks[step], new_blocks], axis=0)
         self._tails[step] = new_tails
 
+    def load(self, prefix: FlowCache) -> None:
+        """Start this (fresh) cache from ``prefix``'s frames (a voice's prompt chunks)."""
+        self._blocks = list(prefix._blocks)
+        self._tails = prefix._tails.copy()
+        self._mel = prefix._mel
+        self.frames = prefix.frames
+
     def finish(self, mel: np.ndarray) -> np.ndarray:
         """Record the new frames' mel [1, 80, T]; the whole mel [1, 80, P + T] so far."""
         self._mel = np.concatenate([self._mel, mel], axis=2)
         self.frames = self._mel.shape[2]
         return self._mel
+
+
+class VoicePrefixes:
+    """A bounded LRU of per-voice ``FlowCache`` prefixes: the completed chunks of a voice's prompt.
+
+    The frames of a voice's prompt chunks whose encoder look-ahead stays inside the prompt depend on
+    the voice alone (prompt tokens and mel, speaker embedding, fixed noise), so every streaming
+    request with that voice starts from the same cache and its first chunk computes only the frames
+    after them. Entries share their arrays with the requests that load them (arrays are replaced,
+    never written, as a cache grows). Memory: ``FlowCache.bytes_per_frame`` per prefix frame, e.g.
+    200 frames (a 5 s prompt) = 218 MiB at full size.
+
+    Args:
+        slots: voices kept (least recently used dropped first); 0 turns the prefixes off.
+    """
+
+    def __init__(self, slots: int = DEFAULT_VOICE_SLOTS):
+        self.slots = slots
+        self._entries: OrderedDict[str, FlowCache] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(*arrays: np.ndarray) -> str:
+        digest = hashlib.sha1()
+        for array in arrays:
+            array = np.ascontiguousarray(array)
+            digest.update(f"{array.dtype}{array.shape}".encode())
+            digest.update(array.tobytes())
+        return digest.hexdigest()
+
+    def get(self, key: str) -> FlowCache | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: str, prefix: FlowCache) -> None:
+        if self.slots <= 0:
+            return
+        with self._lock:
+            self._entries[key] = prefix
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.slots:
+                self._entries.popitem(last=False)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(entry.nbytes for entry in self._entries.values())
 
 
 def solve_euler_incremental(
