@@ -72,6 +72,7 @@ def _run(flow, vocoder, inputs, plans, ratio, incremental: bool = False) -> dict
         "calls": len(plans),
         "mel": np.concatenate(mels, 2),
         "cache_bytes": held,
+        "seconds": seconds,
     }
 
 
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--segment-seconds", type=float, default=15.0)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--modes", default=None, help="Comma-separated subset of the modes (default: all).")
     args = parser.parse_args()
 
     model = load_engines(args.engines, threads=args.threads)
@@ -115,6 +117,8 @@ def main() -> None:
     if flow.incremental_runner is not None:
         modes += [OFFICIAL_SCHEDULE + INCREMENTAL, FAST_SCHEDULE + INCREMENTAL]
         plans |= {name + INCREMENTAL: plans[name] for name in (OFFICIAL_SCHEDULE, FAST_SCHEDULE)}
+    if args.modes is not None:  # the mel differences need the official schedule among them
+        modes = [name for name in modes if name in args.modes.split(",") or name == OFFICIAL_SCHEDULE]
     # Warm up both estimator graphs and the vocoder on the first chunk's tokens (cheap).
     first = plans[OFFICIAL_SCHEDULE][0]
     _run(flow, vocoder, inputs, [first], config.token_mel_ratio)
@@ -128,9 +132,13 @@ def main() -> None:
                 flow, vocoder, inputs, plans[name], config.token_mel_ratio, name.endswith(INCREMENTAL)
             )
             runs[name].append(result)
-            print(f"run {index + 1} {name}: {result['total_s']:.2f} s in {result['calls']} calls", flush=True)
+            per_call = " ".join(f"{value:.1f}" for value in result["seconds"])
+            print(
+                f"run {index + 1} {name}: {result['total_s']:.2f} s in {result['calls']} calls ({per_call})",
+                flush=True,
+            )
     official = runs[OFFICIAL_SCHEDULE][0]["mel"]
-    base = statistics.median(run["total_s"] for run in runs["none"])
+    base = statistics.median(run["total_s"] for run in runs["none"]) if runs.get("none") else float("nan")
     summary = {}
     for name in modes:
         mel = runs[name][0]["mel"]

@@ -268,3 +268,29 @@ def test_verify_stream_rows_pass_through_the_incremental_flow(tiny_ort, golden):
     assert len(rows) >= 30 and any(row.key == "stream_c1_flow_mel" for row in rows)
     failed = [f"{row.key} {row.max_abs_err}" for row in rows if row.status not in ("ok", "skipped")]
     assert not failed, failed
+
+
+@pytest.mark.slow
+def test_derived_int4_engines_quantise_the_incremental_graph(
+    tiny_ort, tmp_path_factory, v2_tiny_dir, tmp_path
+):
+    """int4 engines derived from fp32 ones give the incremental graph the estimators' int8 MatMuls;
+    its chunks then differ from the recomputed int8 ones only by the per-call activation scales."""
+    onnx = pytest.importorskip("onnx", reason="reading the graph needs onnx (the [build] extra)")
+    from _support import tiny_engines
+
+    from trt_cosy.build.quantize import derive_engines
+
+    int4 = derive_engines(tiny_engines(tmp_path_factory, v2_tiny_dir), tmp_path / "int4", "int4")
+    graph = onnx.load(str(int4 / "flow_estimator_incremental.onnx"), load_external_data=False).graph
+    assert sum(node.op_type == "MatMulInteger" for node in graph.node) > 0
+    model = load_engines(int4, threads=1)
+    prompt_tokens, prompt = _prompt(GoldenSet.load(v2_tiny_dir / "reference.npz"))
+    tokens = np.random.default_rng(4).integers(0, model.config.flow.vocab_size, (1, 120))
+    recompute, incremental = _flow(model, False), _flow(model, True)
+    cache = incremental.new_cache()
+    for plan in hop_schedule(prompt_tokens, True, 25, 3, "official").plan_all(tokens.shape[1])[:2]:
+        args = (tokens[:, : plan.end], *prompt)
+        want = recompute.token2mel(*args, streaming=True, finalize=False).mel
+        got = incremental.token2mel(*args, streaming=True, finalize=False, cache=cache).mel
+        assert float(np.abs(got - want).max()) <= 0.1, plan  # int8 activation scales per call

@@ -278,6 +278,11 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     try:
         shutil.copytree(fp32_dir, staging, dirs_exist_ok=True, copy_function=_link_or_copy)
         quantize_engines(staging, precision, family, progress)
+        incremental = staging / f"{graphs.FLOW_ESTIMATOR_INCREMENTAL.name}.onnx"
+        if incremental.is_file():  # the incremental streaming estimator: the estimators' int8 MatMuls
+            staged = incremental.with_name(f".{incremental.stem}.int8.onnx")
+            quantize_matmul_int8(incremental, staged)
+            staged.replace(incremental)  # a new file: the fp32 engines' hard link stays as it was
         if write_batched_llm(staging) is not None:  # from the quantised llm.onnx
             batch = staging / BATCH_FILE
             manifest = dataclasses.replace(

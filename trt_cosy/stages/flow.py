@@ -3,8 +3,12 @@
 Reproduces ``CausalMaskedDiffWithXvec.inference`` + ``CausalConditionalCFM`` of the official
 CosyVoice2 code (docs/cosyvoice-spec §4.1, §4.3): the encoder graph gives ``mu`` and ``spks``; the
 host runs the cosine-scheduled Euler solver with classifier-free guidance as a batch of 2,
-starting from the fixed noise prefix. The stage is stateless: every call recomputes from the
-start (the official streaming does the same), so one stage serves concurrent requests.
+starting from the fixed noise prefix. The stage holds no per-request state, so one stage serves
+concurrent requests: every call recomputes from the start (the official streaming does the same),
+unless the caller passes its segment's ``FlowCache`` (``new_cache``; engines with the incremental
+graph): then a chunk-attention call computes only the frames after the cached ones, with the same
+result (``stages.flow_incremental``). The only state the stage keeps is the bounded per-voice LRU
+of prompt prefixes (``VoicePrefixes``).
 """
 
 from __future__ import annotations
