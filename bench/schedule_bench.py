@@ -13,6 +13,10 @@ then a full-attention call) and ``fast`` (hops doubling without the cap, chunk a
 end). Printed per schedule: medians of the total seconds, the ratio to ``none``, the first chunk's
 seconds (flow + vocoder, no LLM), the number of calls, and the mel difference to ``official``
 (max and mean absolute, natural-log mel) of the frames the schedule emits; then the peak RSS.
+
+Engines with ``flow_estimator_incremental.onnx`` also run ``official+inc`` and ``fast+inc``: the same
+schedules with the incremental flow (``trt_cosy.stages.flow_incremental``: each chunk computes its
+new frames only), and print the largest flow cache the segment held.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from trt_cosy.stages.vocoder import VocoderCache, VocoderStage
 from trt_cosy.streaming import FAST_SCHEDULE, OFFICIAL_SCHEDULE, ChunkPlan, hop_schedule
 
 SCHEDULES = ("none", OFFICIAL_SCHEDULE, FAST_SCHEDULE)
+INCREMENTAL = "+inc"  # suffix of the modes that run a schedule with the incremental flow
 
 
 def _plans(schedule: str, prompt: int, total: int, chunk: int, lookahead: int) -> list[ChunkPlan]:
@@ -41,9 +46,11 @@ def _plans(schedule: str, prompt: int, total: int, chunk: int, lookahead: int) -
     return hop_schedule(prompt, True, chunk, lookahead, schedule).plan_all(total)
 
 
-def _run(flow, vocoder, inputs, plans, ratio) -> dict:
+def _run(flow, vocoder, inputs, plans, ratio, incremental: bool = False) -> dict:
     tokens, prompt_tokens, prompt_mel, embedding = inputs
     rng, cache, mels, seconds = np.random.default_rng(0), VocoderCache(), [], []
+    flow_cache = flow.new_cache() if incremental else None
+    held = 0
     for plan in plans:
         start = time.perf_counter()
         mel = flow.token2mel(
@@ -53,7 +60,9 @@ def _run(flow, vocoder, inputs, plans, ratio) -> dict:
             embedding,
             streaming=plan.streaming,
             finalize=plan.final,
+            cache=flow_cache,
         ).mel[:, :, ratio * plan.offset :]  # [1, 80, F]
+        held = max(held, 0 if flow_cache is None else flow_cache.nbytes)
         vocoder.render(mel, rng, cache, final=plan.final)
         seconds.append(time.perf_counter() - start)
         mels.append(mel)
@@ -62,6 +71,8 @@ def _run(flow, vocoder, inputs, plans, ratio) -> dict:
         "first_s": seconds[0],
         "calls": len(plans),
         "mel": np.concatenate(mels, 2),
+        "cache_bytes": held,
+        "seconds": seconds,
     }
 
 
@@ -73,6 +84,7 @@ def main() -> None:
     parser.add_argument("--segment-seconds", type=float, default=15.0)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--modes", default=None, help="Comma-separated subset of the modes (default: all).")
     args = parser.parse_args()
 
     model = load_engines(args.engines, threads=args.threads)
@@ -84,6 +96,7 @@ def main() -> None:
         runners[graphs.FLOW_ESTIMATOR_STREAM.name],
         model.flow_noise,
         config.flow,
+        incremental_runner=runners.get(graphs.FLOW_ESTIMATOR_INCREMENTAL.name),
     )
     vocoder = VocoderStage(runners[graphs.HIFT.name], config.hift)
     rng = np.random.default_rng(1)
@@ -100,20 +113,34 @@ def main() -> None:
         name: _plans(name, prompt, total, encoder.static_chunk_size, encoder.pre_lookahead_len)
         for name in SCHEDULES
     }
+    modes = list(SCHEDULES)
+    if flow.incremental_runner is not None:
+        modes += [OFFICIAL_SCHEDULE + INCREMENTAL, FAST_SCHEDULE + INCREMENTAL]
+        plans |= {name + INCREMENTAL: plans[name] for name in (OFFICIAL_SCHEDULE, FAST_SCHEDULE)}
+    if args.modes is not None:  # the mel differences need the official schedule among them
+        modes = [name for name in modes if name in args.modes.split(",") or name == OFFICIAL_SCHEDULE]
     # Warm up both estimator graphs and the vocoder on the first chunk's tokens (cheap).
     first = plans[OFFICIAL_SCHEDULE][0]
     _run(flow, vocoder, inputs, [first], config.token_mel_ratio)
     _run(flow, vocoder, inputs, [ChunkPlan(end=first.end, offset=0, final=True)], config.token_mel_ratio)
-    runs: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
+    if flow.incremental_runner is not None:
+        _run(flow, vocoder, inputs, [first], config.token_mel_ratio, incremental=True)
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
     for index in range(args.runs):
-        for name in SCHEDULES:
-            result = _run(flow, vocoder, inputs, plans[name], config.token_mel_ratio)
+        for name in modes:
+            result = _run(
+                flow, vocoder, inputs, plans[name], config.token_mel_ratio, name.endswith(INCREMENTAL)
+            )
             runs[name].append(result)
-            print(f"run {index + 1} {name}: {result['total_s']:.2f} s in {result['calls']} calls", flush=True)
+            per_call = " ".join(f"{value:.1f}" for value in result["seconds"])
+            print(
+                f"run {index + 1} {name}: {result['total_s']:.2f} s in {result['calls']} calls ({per_call})",
+                flush=True,
+            )
     official = runs[OFFICIAL_SCHEDULE][0]["mel"]
-    base = statistics.median(run["total_s"] for run in runs["none"])
+    base = statistics.median(run["total_s"] for run in runs["none"]) if runs.get("none") else float("nan")
     summary = {}
-    for name in SCHEDULES:
+    for name in modes:
         mel = runs[name][0]["mel"]
         difference = np.abs(mel - official)
         summary[name] = {
@@ -123,15 +150,17 @@ def main() -> None:
             "ends": [plan.end for plan in plans[name]],
             "mel_max_abs_diff_vs_official": float(difference.max()),
             "mel_mean_abs_diff_vs_official": float(difference.mean()),
+            "cache_mib": runs[name][0]["cache_bytes"] / 2**20,
         }
         summary[name]["ratio_to_none"] = summary[name]["total_s"] / base
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
     print(f"prompt {prompt} tokens, segment {total} tokens, threads {args.threads}, peak RSS {peak:.2f} GB")
     for name, row in summary.items():
         print(
-            f"{name:>9}: total {row['total_s']:.2f} s ({row['ratio_to_none']:.2f}x), first chunk "
+            f"{name:>13}: total {row['total_s']:.2f} s ({row['ratio_to_none']:.2f}x), first chunk "
             f"{row['first_chunk_s']:.2f} s, {row['calls']} calls, mel vs official max "
-            f"{row['mel_max_abs_diff_vs_official']:.3g} mean {row['mel_mean_abs_diff_vs_official']:.3g}"
+            f"{row['mel_max_abs_diff_vs_official']:.3g} mean {row['mel_mean_abs_diff_vs_official']:.3g}, "
+            f"flow cache {row['cache_mib']:.0f} MiB"
         )
     if args.json is not None:
         args.json.write_text(

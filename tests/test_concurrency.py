@@ -100,8 +100,10 @@ def test_asynthesize_raises_input_errors_at_the_first_step(tiny_ort, tiny_voice)
 
 @pytest.mark.slow
 def test_asynthesize_propagates_an_engine_error(tiny_ort, tiny_voice):
-    tts, counters = counting(tiny_ort, flow_estimator_stream={"fail_at": 3})
-    with pytest.raises(RuntimeError, match="flow_estimator_stream failed at call 3"):
+    # The streaming chunks' estimator: the incremental one where the engines have it.
+    name = next(n for n in ("flow_estimator_incremental", "flow_estimator_stream") if n in tiny_ort.model.runners)
+    tts, counters = counting(tiny_ort, **{name: {"fail_at": 3}})
+    with pytest.raises(RuntimeError, match=f"{name} failed at call 3"):
         asyncio.run(_collect(tts.asynthesize(TEXT_60, tiny_voice, seed=1, config=STREAM)))
     _wait_for_no_workers()
     assert counters["hift"].calls == 0

@@ -133,7 +133,8 @@ def test_load_engines_matches_torch(tiny, torch_model):
     release, engines = tiny
     model = load_engines(engines, threads=2, model_dir=release)
     assert model.backend == "onnxruntime" and model.config == torch_model.config
-    assert set(model.runners) == set(graphs.GRAPHS) | {graphs.LLM_BATCH.name}  # + the batched decode graph
+    # + the batched decode graph and the incremental streaming estimator
+    assert set(model.runners) == set(graphs.GRAPHS) | {graphs.LLM_BATCH.name, graphs.FLOW_ESTIMATOR_INCREMENTAL.name}
     for name, table in torch_model.llm_tables.items():
         assert isinstance(model.llm_tables[name], np.memmap) and np.array_equal(model.llm_tables[name], table)
     assert np.array_equal(model.flow_noise, torch_model.flow_noise)

@@ -165,6 +165,7 @@ def test_load_engines_defers_stream_estimator(tiny_engines):
     assert isinstance(lazy, LazyOrtRunner) and not lazy.loaded
     # With the batched decode graph, the two LLM graphs are created on first use too (one is used).
     lazy_names = LAZY_GRAPHS | ({"llm", "llm_batch"} if "llm_batch" in model.runners else set())
+    lazy_names |= {"flow_estimator_incremental"} & set(model.runners)  # streaming's own graph, when built
     assert all(isinstance(model.runners[name], LazyOrtRunner) for name in lazy_names)
     assert all(
         isinstance(model.runners[name], OrtRunner) for name in model.runners if name not in lazy_names
@@ -203,7 +204,9 @@ def test_server_warm_up_creates_the_deferred_streaming_session(tiny_engines):
     from trt_cosy.tts import CosyVoice
 
     tts = CosyVoice.load(tiny_engines)
-    deferred = tts.model.runners["flow_estimator_stream"]
+    # Streaming chunks run the incremental estimator where the engines have it, else the stream one.
+    name = next(n for n in ("flow_estimator_incremental", "flow_estimator_stream") if n in tts.model.runners)
+    deferred = tts.model.runners[name]
     assert isinstance(deferred, LazyOrtRunner) and not deferred.loaded  # plain loading leaves it for later
     warm_up(tts)
     assert deferred.loaded, "the warm-up's streamed sentence must create the chunk-attention session"

@@ -29,6 +29,7 @@ from .runtime.render_turns import RENDER_TURNS, RenderTurns
 from .runtime.run_scope import RunCancelled, RunScope
 from .runtime.work_gate import RENDER_GATE, GateCancelled
 from .stages.flow import FlowStage
+from .stages.flow_incremental import FlowCache
 from .stages.llm import LLMStage
 from .stages.sampling import RASSampler
 from .stages.vocoder import VocoderCache, VocoderStage
@@ -225,12 +226,15 @@ def render_chunk(
     cache: VocoderCache,
     rng: np.random.Generator | np.ndarray,
     token_mel_ratio: int,
+    flow_cache: FlowCache | None = None,
 ) -> tuple[np.ndarray, float, float]:
     """Flow + vocoder for one chunk (official ``token2wav``): (samples [N], flow s, vocoder s).
 
     The flow reruns on prompt + ``tokens[:plan.end]`` (chunk attention unless final); the frames
     from ``token_mel_ratio * plan.offset`` on are new and go to the vocoder with the request's cache.
     ``rng`` draws the vocoder's NSF noise (or is that noise, as ``VocoderStage.render`` takes it).
+    ``flow_cache`` (the segment's ``FlowStage.new_cache()``): chunk-attention calls compute only the
+    frames after the cached ones, with the same result.
     """
     if plan.end == 0:  # the LLM stopped at once: nothing to say
         return np.zeros(0, np.float32), 0.0, 0.0
@@ -242,6 +246,7 @@ def render_chunk(
         voice.speaker_embedding[None],  # [1, 192]
         streaming=plan.streaming,
         finalize=plan.final,
+        cache=flow_cache,
     ).mel  # mel: [1, 80, 2 * (end - 3 unless final)]
     mel = mel[:, :, token_mel_ratio * plan.offset :]  # mel: [1, 80, F]
     flow_done = time.perf_counter()
@@ -302,6 +307,7 @@ class Request:
         self.runs = RunScope()  # the flow/vocoder runs in progress, aborted by cancel()
         self.first_audio_s: float | None = None
         self._audio_s = 0.0
+        self._flow_cache: FlowCache | None = None
 
     def cancel(self) -> None:
         """Stop the work soon, from any thread: the LLM after its current step, a running flow or
@@ -329,6 +335,7 @@ class Request:
             _LOGGER.debug("request cancelled")
         finally:
             self.feed.close()
+            self._flow_cache = None  # a stopped segment's cache goes with it
             _LOGGER.debug(
                 "request %s after %d chunks, %.2f s of audio in %.3f s (first audio %s s)",
                 "finished" if self.feed.finished_all else "stopped",
@@ -358,7 +365,14 @@ class Request:
     ) -> tuple[np.ndarray, float, float]:
         """Flow + vocoder of one chunk: (samples [N], flow s, vocoder s)."""
         return render_chunk(
-            self.stages, self.voice, tokens, plan, state, self.vocoder_rng, self.config.token_mel_ratio
+            self.stages,
+            self.voice,
+            tokens,
+            plan,
+            state,
+            self.vocoder_rng,
+            self.config.token_mel_ratio,
+            flow_cache=self._flow_cache,
         )
 
     def _new_tokens(self, plan: ChunkPlan) -> int:
@@ -368,6 +382,9 @@ class Request:
     def _segment_chunks(self, index: int, started: float, count: int) -> Iterator[AudioChunk]:
         schedule = self._schedule()
         cache = self._new_state()
+        # The segment's incremental flow state (CosyVoice2 engines with the incremental graph).
+        new_flow_cache = getattr(getattr(self.stages, "flow", None), "new_cache", None)
+        self._flow_cache = new_flow_cache() if self.stream and new_flow_cache is not None else None
         while True:
             waited = time.perf_counter()
             tokens, finished = self.feed.wait(index, schedule.needed)  # tokens: [n]

@@ -52,6 +52,7 @@ from .family_engines import (
     load_model_for_build,
     write_model_data,
 )
+from .flow_incremental import write_incremental_estimator
 from .ort_llm_batch import batch_graph_record, write_batched_llm
 from .ort_passes import rewrite_engine_graphs
 from .quantize import QUANTIZED_PRECISIONS, quantize_engines
@@ -223,6 +224,9 @@ def _write_engines(
     model = load_model_for_build(model_dir)
     family = model.config.family
     results = export_family(model, staging, progress=emit)  # the family's graph set (BuildFamily.export)
+    incremental = None
+    if backend == "onnxruntime":  # streaming chunks over new frames only (CosyVoice2; None otherwise)
+        incremental = write_incremental_estimator(model, staging, precision, progress=emit)
     write_model_data(model, model_dir, staging)  # tables, fixed noise, preset speakers
     if backend == "tensorrt" and family_named(family).qwen_llm:  # batched decode across requests
         from .trt_llm_decode import export_llm_decode
@@ -275,6 +279,8 @@ def _write_engines(
     )
     if batch_graph is not None:
         manifest.graphs[batch_graph.stem] = batch_graph_record(batch_graph, staging)
+    if incremental is not None:
+        manifest.graphs[incremental[0].stem] = incremental[1]
     manifest.write(staging)
 
 

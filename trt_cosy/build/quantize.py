@@ -280,6 +280,11 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
 
     def quantize(staging: Path) -> dict:
         quantize_engines(staging, precision, family, progress)
+        incremental = staging / f"{graphs.FLOW_ESTIMATOR_INCREMENTAL.name}.onnx"
+        if incremental.is_file():  # the incremental streaming estimator: the estimators' int8 MatMuls
+            staged = incremental.with_name(f".{incremental.stem}.int8.onnx")
+            quantize_matmul_int8(incremental, staged)
+            staged.replace(incremental)  # a new file: the fp32 engines' hard link stays as it was
         if write_batched_llm(staging) is None:  # from the quantised llm.onnx
             return {}
         batch = staging / BATCH_FILE

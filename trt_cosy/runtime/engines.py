@@ -148,6 +148,10 @@ def _load_runners(
         names.append(graphs.LLM_BATCH.name)
         if lazy_graphs:
             lazy |= {graphs.LLM.name, graphs.LLM_BATCH.name}
+    if graphs.FLOW_ESTIMATOR_INCREMENTAL.name in manifest.graphs:  # streaming chunks over new frames only
+        names.append(graphs.FLOW_ESTIMATOR_INCREMENTAL.name)  # (stages.flow_incremental)
+        if lazy_graphs:
+            lazy.add(graphs.FLOW_ESTIMATOR_INCREMENTAL.name)
     for name in names:
         if name not in manifest.graphs:
             option = "" if manifest.backend == ORT_BACKEND else f" --backend {manifest.backend}"

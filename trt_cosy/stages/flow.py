@@ -3,8 +3,12 @@
 Reproduces ``CausalMaskedDiffWithXvec.inference`` + ``CausalConditionalCFM`` of the official
 CosyVoice2 code (docs/cosyvoice-spec §4.1, §4.3): the encoder graph gives ``mu`` and ``spks``; the
 host runs the cosine-scheduled Euler solver with classifier-free guidance as a batch of 2,
-starting from the fixed noise prefix. The stage is stateless: every call recomputes from the
-start (the official streaming does the same), so one stage serves concurrent requests.
+starting from the fixed noise prefix. The stage holds no per-request state, so one stage serves
+concurrent requests: every call recomputes from the start (the official streaming does the same),
+unless the caller passes its segment's ``FlowCache`` (``new_cache``; engines with the incremental
+graph): then a chunk-attention call computes only the frames after the cached ones, with the same
+result (``stages.flow_incremental``). The only state the stage keeps is the bounded per-voice LRU
+of prompt prefixes (``VoicePrefixes``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ from ..config import FlowConfig
 from ..errors import InputError
 from ..runtime.base import Runner
 from ..runtime.euler import FLOW_STEP, FLOW_STEP_STREAM, DeviceEulerLoop, guidance_feed, step_schedule
+from .flow_incremental import (
+    DEFAULT_LIMIT_BYTES,
+    DEFAULT_VOICE_SLOTS,
+    FlowCache,
+    VoicePrefixes,
+    solve_euler_incremental,
+)
 
 __all__ = ["FlowOutput", "FlowStage", "cosine_t_span", "solve_euler", "device_euler_loops"]
 
@@ -134,6 +145,11 @@ class FlowStage:
         step_loops: optional ``{streaming: DeviceEulerLoop}`` (``device_euler_loops``): the whole
             Euler solve chained on the GPU through the step graphs, instead of ``solve_euler``'s
             host loop; the guidance rate and step count are baked into the step graphs and schedule.
+        incremental_runner: optional ``FLOW_ESTIMATOR_INCREMENTAL`` contract: streaming chunks given
+            a ``FlowCache`` (``new_cache``) compute their new frames only (``stages.flow_incremental``).
+        cache_limit_bytes: the most one segment's ``FlowCache`` holds before it recomputes.
+        voice_slots: voices whose prompt prefix (``VoicePrefixes``) is kept for the first chunks of
+            later requests; 0: every first chunk computes the prompt frames again.
     """
 
     def __init__(
@@ -144,13 +160,65 @@ class FlowStage:
         noise: np.ndarray,
         config: FlowConfig,
         step_loops: Mapping[bool, DeviceEulerLoop] | None = None,
+        incremental_runner: Runner | None = None,
+        cache_limit_bytes: int = DEFAULT_LIMIT_BYTES,
+        voice_slots: int = DEFAULT_VOICE_SLOTS,
     ):
+        self.voice_prefixes = VoicePrefixes(voice_slots)
         self.step_loops = dict(step_loops or {})
+        self.incremental_runner = incremental_runner
+        self.cache_limit_bytes = cache_limit_bytes
         self.encoder_runner = encoder_runner
         self.estimator_runner = estimator_runner
         self.estimator_stream_runner = estimator_stream_runner
         self.noise = noise
         self.config = config
+
+    def new_cache(self) -> FlowCache | None:
+        """A ``FlowCache`` for one streaming segment, or None without the incremental graph (the
+        chunks then recompute from the start, as the official code does)."""
+        if self.incremental_runner is None:
+            return None
+        return FlowCache(self.config.estimator, self.config.cfm.n_timesteps, self.cache_limit_bytes)
+
+    def _load_prefix(
+        self, cache: FlowCache, prompt_tokens: np.ndarray, prompt_feat: np.ndarray, embedding: np.ndarray
+    ) -> None:
+        """Start a fresh segment cache from its voice's prompt prefix (computed on first use).
+
+        The prefix is the prompt's completed chunks whose encoder look-ahead stays in the prompt: their
+        frames come out the same in every streaming call with this voice.
+        """
+        lookahead = self.config.encoder.pre_lookahead_len
+        chunk_tokens = self.config.estimator.static_chunk_size // self.config.token_mel_ratio
+        chunks = (prompt_tokens.shape[1] - lookahead) // chunk_tokens
+        if chunks <= 0 or self.voice_prefixes.slots <= 0:
+            return
+        key = VoicePrefixes.key(prompt_tokens, prompt_feat, embedding)
+        prefix = self.voice_prefixes.get(key)
+        if prefix is None:
+            tokens = prompt_tokens[:, : chunks * chunk_tokens + lookahead]  # [1, n + L]
+            mu, spks = self._encode(tokens, embedding, streaming=True, finalize=False)  # mu: [1, 80, 2n]
+            frames = mu.shape[2]
+            prefix = FlowCache(self.config.estimator, self.config.cfm.n_timesteps, self.cache_limit_bytes)
+            if not prefix.usable_for(frames):
+                return
+            cond = np.zeros_like(mu)  # [1, 80, 2n]
+            cond[0] = prompt_feat[0, :frames].T
+            cfm = self.config.cfm
+            solve_euler_incremental(
+                self.incremental_runner,
+                prefix,
+                mu,
+                spks,
+                cond,
+                self.noise[:, :, :frames],
+                cosine_t_span(cfm.n_timesteps),
+                cfm.inference_cfg_rate,
+            )
+            self.voice_prefixes.put(key, prefix)
+            _LOGGER.debug("flow: voice prefix of %d frames computed (%.0f MiB)", frames, prefix.nbytes / 2**20)
+        cache.load(prefix)
 
     def _check(self, all_tokens: np.ndarray, prompt_feat: np.ndarray, finalize: bool) -> None:
         lookahead = self.config.encoder.pre_lookahead_len
@@ -208,6 +276,7 @@ class FlowStage:
         embedding: np.ndarray,
         streaming: bool,
         finalize: bool,
+        cache: FlowCache | None = None,
     ) -> FlowOutput:
         """Run the flow on ``prompt_tokens ++ tokens`` (official ``flow.inference``, batch 1).
 
@@ -218,6 +287,8 @@ class FlowStage:
             embedding: speaker embedding [1, 192].
             streaming: chunk attention (25 tokens / 50 frames) instead of full attention.
             finalize: the last chunk: no look-ahead tokens are held back.
+            cache: the segment's ``FlowCache`` (``new_cache``): a streaming call computes only the
+                frames after the cached ones (same result); the cache is released after ``finalize``.
 
         Returns:
             ``FlowOutput(mel [1, 80, T - 2P], mu [1, 80, T])``.
@@ -233,19 +304,36 @@ class FlowStage:
         mask = np.ones((1, 1, frames), np.float32)  # [1, 1, T]
         noise = self.noise[:, :, :frames]  # [1, 80, T]
         loop = self.step_loops.get(streaming)
-        if loop is not None:  # TensorRT: all steps queued on the device, one synchronize
+        cfm = self.config.cfm
+        incremental = cache is not None and streaming and self.incremental_runner is not None
+        if incremental and cache.frames == 0 and cache.disabled is None:
+            self._load_prefix(cache, prompt_tokens.astype(np.int64), prompt_feat, embedding)
+        if incremental and cache.usable_for(frames):
+            mel = solve_euler_incremental(
+                self.incremental_runner,
+                cache,
+                mu,
+                spks,
+                cond,
+                noise,
+                cosine_t_span(cfm.n_timesteps),
+                cfm.inference_cfg_rate,
+            )  # [1, 80, T]
+        elif loop is not None:  # TensorRT: all steps queued on the device, one synchronize
             mel = loop.run(guidance_feed(noise, mu, mask, spks, cond))  # [1, 80, T]
         else:
             estimator = self.estimator_stream_runner if streaming else self.estimator_runner
-            cfm = self.config.cfm
             mel = solve_euler(
                 estimator, mu, mask, spks, cond, noise, cfm.n_timesteps, cfm.inference_cfg_rate
             )  # [1, 80, T]
         _LOGGER.debug(
-            "flow: %d tokens -> %d frames (streaming=%s, finalize=%s)",
+            "flow: %d tokens -> %d frames (streaming=%s, finalize=%s, cached=%s)",
             all_tokens.shape[1],
             frames,
             streaming,
             finalize,
+            "-" if cache is None else cache.frames,
         )
+        if cache is not None and finalize:
+            cache.release()
         return FlowOutput(mel=mel[:, :, prompt_frames:], mu=mu)

@@ -54,6 +54,7 @@ def _flow_stage(model: LoadedModel, golden: GoldenSet) -> FlowStage:
         runners[graphs.FLOW_ESTIMATOR_STREAM.name],
         noise.astype(np.float32),
         model.config.flow,
+        incremental_runner=runners.get(graphs.FLOW_ESTIMATOR_INCREMENTAL.name),
     )
 
 
@@ -70,6 +71,7 @@ def _flow_chunks(model: LoadedModel, golden: GoldenSet):
     embedding = golden["in_spk_embedding"]
     for name, scenario in golden.flow_scenarios():
         prompt_tokens, prompt_feat = _scenario_prompt(golden, scenario)
+        cache = stage.new_cache()  # incremental chunks where the engines have the graph, as a request
         for index, chunk in enumerate(scenario["chunks"]):
             prefix = f"{name}_c{index}_"
             output = stage.token2mel(
@@ -79,6 +81,7 @@ def _flow_chunks(model: LoadedModel, golden: GoldenSet):
                 embedding,
                 streaming=bool(chunk["flow_streaming"]),
                 finalize=bool(chunk["flow_finalize"]),
+                cache=cache,
             )
             yield name, prefix, chunk, output
 

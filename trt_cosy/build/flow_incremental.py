@@ -1,0 +1,185 @@
+"""The incremental streaming estimator ``flow_estimator_incremental.onnx`` (contract
+``graphs.FLOW_ESTIMATOR_INCREMENTAL``) for the ONNX Runtime engines of CosyVoice2.
+
+Exported beside the other graphs by ``trt-cosy build`` (onnxruntime backend, CosyVoice2 only),
+checked against torch like every graph, then given the estimators' treatment: Mish and GELU
+rewritten for ONNX Runtime (proven equal) and, for the int8/int4 precisions, dynamic int8 MatMuls.
+``add_incremental_estimator`` adds it to engines built before it existed. Engines without it still
+load: their streaming chunks recompute the flow from the start (``stages.flow``).
+
+CosyVoice 1 has no chunk-attention estimator (its streaming recomputes with full attention), and
+CosyVoice3's DiT estimator is not handled here: both keep the recomputation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+import onnx
+from torch.export import Dim
+
+from ..config import ModelConfig
+from ..errors import InputError
+from ..runtime import graphs
+from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord
+from ..runtime.model import LoadedModel
+from .export import ExportResult, GraphPlan, export_graph, onnx_io_specs
+from .modules.flow_estimator import CausalConditionalDecoder
+from .modules.flow_estimator_incremental import IncrementalEstimatorGraph, incremental_cache_layout
+from .onnx_files import save_onnx
+from .ort_passes import GraphRewrites, check_equivalent, rewrite_model
+from .quantize import quantize_matmul_int8
+
+__all__ = [
+    "INCREMENTAL_FILE",
+    "incremental_export_plan",
+    "write_incremental_estimator",
+    "add_incremental_estimator",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+INCREMENTAL_FILE: Final = f"{graphs.FLOW_ESTIMATOR_INCREMENTAL.name}.onnx"
+_TOLERANCE: Final = 1e-4  # as the other estimators (export.TOLERANCES)
+
+Progress = Callable[[str], None]
+
+
+def _estimator(model: LoadedModel) -> CausalConditionalDecoder | None:
+    """The torch CosyVoice2 estimator of a reference model, or None for other families."""
+    if model.config.family != "v2":
+        return None
+    runner = model.runners.get(graphs.FLOW_ESTIMATOR.name)
+    estimator = getattr(getattr(runner, "module", None), "estimator", None)
+    return estimator if isinstance(estimator, CausalConditionalDecoder) else None
+
+
+def incremental_export_plan(
+    config: ModelConfig, estimator: CausalConditionalDecoder, seed: int = 0
+) -> GraphPlan:
+    """Sample and parity feeds (P = 0 and a single new frame included) and the dynamic dims."""
+    rng = np.random.default_rng(seed)
+    mels = config.flow.output_size
+    blocks, width, channels = incremental_cache_layout(estimator)
+    chunk = estimator.config.static_chunk_size
+
+    def feed(new: int, past: int) -> dict[str, np.ndarray]:
+        return {
+            "x": rng.standard_normal((2, mels, new), dtype=np.float32),  # [2, 80, T]
+            "mu": rng.standard_normal((2, mels, new), dtype=np.float32),  # [2, 80, T]
+            "t": rng.uniform(0.0, 1.0, 2).astype(np.float32),  # [2]
+            "spks": rng.standard_normal((2, mels), dtype=np.float32),  # [2, 80]
+            "cond": rng.standard_normal((2, mels, new), dtype=np.float32),  # [2, 80, T]
+            "past_blocks": rng.standard_normal((past, blocks, 2, width), dtype=np.float32),  # [P, L, 2, D]
+            "past_tails": rng.standard_normal((2, channels, 2), dtype=np.float32),  # [2, C, 2]
+        }
+
+    new, past = Dim("T", min=1), Dim("P", min=0)
+    dynamic = {name: {2: new} for name in ("x", "mu", "cond")} | {"past_blocks": {0: past}}
+    return GraphPlan(
+        feed(chunk + 13, 2 * chunk), (feed(2 * chunk + 7, 0), feed(1, chunk), feed(37, 3 * chunk)), dynamic
+    )
+
+
+def write_incremental_estimator(
+    model: LoadedModel, out_dir: Path, precision: str, progress: Progress | None = None
+) -> tuple[Path, GraphRecord] | None:
+    """Export, rewrite and (int8/int4) quantise the incremental estimator into ``out_dir``.
+
+    Returns the graph file and its manifest record, or None where the family has none (v1, v3).
+    """
+    estimator = _estimator(model)
+    if estimator is None:
+        return None
+    out_dir = Path(out_dir)
+    spec = graphs.FLOW_ESTIMATOR_INCREMENTAL
+    plan = incremental_export_plan(model.config, estimator)
+    path = out_dir / INCREMENTAL_FILE
+    result = export_graph(
+        spec,
+        IncrementalEstimatorGraph(estimator),
+        plan.sample,
+        path,
+        plan.dynamic_shapes,
+        parity_inputs=plan.parity,
+        tolerance=_TOLERANCE,
+        progress=progress,
+    )
+    _rewrite(path, [plan.sample, *plan.parity], progress)
+    if precision != "fp32":
+        start = time.perf_counter()
+        staged = path.with_name(f".{path.stem}.int8.onnx")
+        count = quantize_matmul_int8(path, staged)
+        staged.replace(path)
+        _emit(progress, f"{spec.name}: {count} MatMul weights -> int8 in {time.perf_counter() - start:.1f} s")
+    return path, _record(result, out_dir)
+
+
+def _rewrite(path: Path, feeds: list[dict[str, np.ndarray]], progress: Progress | None) -> None:
+    """Mish and GELU in ONNX Runtime's faster forms, proven equal on the export feeds."""
+    model = onnx.load(str(path))
+    counts = rewrite_model(model, GraphRewrites())
+    if not counts.total():
+        return
+    with tempfile.TemporaryDirectory(prefix=".rewrite-", dir=path.parent) as scratch:
+        staged = save_onnx(model, Path(scratch) / path.name)
+        del model
+        worst = check_equivalent(path, staged, feeds, path.stem)
+        for file in Path(scratch).iterdir():
+            file.replace(path.parent / file.name)
+    _emit(
+        progress,
+        f"{path.stem}: {counts.describe()} rewritten for ONNX Runtime (max relative change {worst:.1e})",
+    )
+
+
+def _record(result: ExportResult, root: Path) -> GraphRecord:
+    inputs, outputs = onnx_io_specs(result.path)
+
+    def record(item: dict) -> TensorRecord:
+        return TensorRecord(item["name"], item["dtype"], tuple(item["shape"]))
+
+    return GraphRecord(
+        file=result.path.relative_to(root).as_posix(),
+        inputs=tuple(record(item) for item in inputs),
+        outputs=tuple(record(item) for item in outputs),
+        max_errors=dict(result.max_errors),
+    )
+
+
+def _emit(progress: Progress | None, message: str) -> None:
+    _LOGGER.info("%s", message)
+    if progress is not None:
+        progress(message)
+
+
+def add_incremental_estimator(engines_dir: Path, model_dir: Path, progress: Progress | None = None) -> Path:
+    """Add ``flow_estimator_incremental.onnx`` to existing CosyVoice2 ONNX Runtime engines of this
+    version (built from ``model_dir``, checked by hash) and record it in the manifest."""
+    from .family_engines import load_model_for_build
+
+    engines_dir = Path(engines_dir)
+    manifest = Manifest.read(engines_dir)
+    manifest.check(engines_dir, Path(model_dir), backend="onnxruntime")
+    model = load_model_for_build(Path(model_dir))
+    written = write_incremental_estimator(model, engines_dir, manifest.precision, progress)
+    if written is None:
+        raise InputError(
+            f"{model_dir} is not a CosyVoice2 release: only CosyVoice2 has an incremental streaming estimator."
+        )
+    path, record = written
+    files = {
+        item.relative_to(engines_dir).as_posix(): item.stat().st_size
+        for item in sorted(engines_dir.rglob("*"))
+        if item.is_file() and item.name != MANIFEST_NAME and item.relative_to(engines_dir).parts[0] != "plans"
+    }
+    graphs_ = {**manifest.graphs, graphs.FLOW_ESTIMATOR_INCREMENTAL.name: record}
+    dataclasses.replace(manifest, graphs=graphs_, files=files).write(engines_dir)
+    return path
