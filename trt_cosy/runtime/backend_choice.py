@@ -47,13 +47,14 @@ class CpuPick:
 
 
 # The CPU defaults, best first: the first whose hardware need this machine meets is picked. Measured
-# at full size on the 2-core Zen 4 machine, median of 3 alternating runs (docs/benchmarks.md, "Mixed
-# engines", 2026-12-01): mixed int4 (the ONNX Runtime int4 LLM, OpenVINO bf16 flow and fp32 HiFT) RTF 0.825
-# against ONNX Runtime int4 0.875 (flow 4.30 vs 4.88 s, HiFT 1.09 vs 1.22 s), faster in every round, mel
-# SNR 40.5 dB vs 38.7 dB (docs/precision.md). Without bf16 kernels (or without openvino) the bf16 flow
-# would run in fp32: ONNX Runtime int4 there.
+# at full size on the 2-core Zen 4 machine (docs/benchmarks.md, "Mixed engines" and "Streaming",
+# 2026-12-01): mixed int4 (the ONNX Runtime int4 LLM, OpenVINO bf16 flow and fp32 HiFT) is 6 % faster
+# without streaming (RTF 0.825 vs 0.875, median of 3 alternating) but peaks at 2.05 GB against 1.30 GB,
+# and only ONNX Runtime engines carry the incremental streaming estimator (official streaming 1.71x
+# non-streaming instead of 2.50x). Streaming is what a server serves, so ONNX Runtime int4 stays the
+# default on every CPU; `--backend mixed` is one option away. A bf16-only pick goes first here once it wins
+# both ways (CpuPick(..., needs_bf16=True, ...)).
 CPU_PICKS: Final = (
-    CpuPick("mixed", "int4", True, "ONNX Runtime int4 LLM + OpenVINO flow/HiFT is the fastest measured"),
     CpuPick("onnxruntime", "int4", False, "ONNX Runtime int4 is the fastest measured CPU engine"),
 )
 # What each backend builds (build.engines checks the same; kept here so the runtime needs no build import).
