@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 
+from .runtime import heap
 from .runtime.run_scope import RunCancelled, RunScope
 from .runtime.work_gate import RENDER_GATE, GateCancelled
 from .stages.flow import FlowStage
@@ -307,6 +308,7 @@ class Request:
             _LOGGER.debug("request cancelled")
         finally:
             self.feed.close()
+            heap.trim()  # the request's freed blocks go back to the OS (servers: "Memory under load")
             _LOGGER.debug(
                 "request %s after %d chunks, %.2f s of audio in %.3f s (first audio %s s)",
                 "finished" if self.feed.finished_all else "stopped",
