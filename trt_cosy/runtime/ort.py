@@ -37,7 +37,8 @@ MIN_ENGINE_ORT: Final = (1, 22)
 # run of each chunk, and the flow encoders, whose relative-position attention makes the largest
 # working set of a render (quadratic in the tokens: ~3.9 GB for 1637 tokens at full size) once per
 # chunk, so a request cancelled before its vocoder runs does not leave it in the arena.
-_SHRINK_AFTER_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift", "flow_encoder", "v1_flow_encoder"})
+_VOCODER_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift"})
+_SHRINK_AFTER_GRAPHS: Final = _VOCODER_GRAPHS | {"flow_encoder", "v1_flow_encoder"}
 _shared_arena_state: list[bool] = []  # [registered?] once tried: one process-wide CPU arena
 
 
@@ -116,9 +117,12 @@ def _shrinks_after(graph: str) -> bool:
     """Whether a request's run of ``graph`` ends with an arena shrink.
 
     ``TRT_COSY_ARENA_SHRINK``: ``1`` (default) after the vocoder and flow encoder graphs (once per
-    chunk each), ``all`` after every flow and vocoder run (slower: the Euler steps reallocate), ``0`` never.
+    chunk each), ``vocoder`` after the vocoder graphs only, ``all`` after every flow and vocoder run
+    (slower: the Euler steps reallocate), ``0`` never.
     """
     mode = os.environ.get("TRT_COSY_ARENA_SHRINK", "1")
+    if mode == "vocoder":
+        return graph in _VOCODER_GRAPHS
     return mode == "all" or (mode != "0" and graph in _SHRINK_AFTER_GRAPHS)
 
 
