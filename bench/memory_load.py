@@ -118,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         f"after {after:.0f} MiB ({after / base:.2f}x post-warm-up); wall {max(r[1] for r in results):.1f} s"
     )
     if args.ab_runs:
-        arms = {"after-vocoder": "1", "never": "0", "every-run": "all"}  # TRT_COSY_ARENA_SHRINK
+        # TRT_COSY_ARENA_SHRINK
+        arms = {
+            "after-encoder-and-vocoder": "1",
+            "after-vocoder": "vocoder",
+            "never": "0",
+            "every-run": "all",
+        }
         times: dict[str, list[float]] = {arm: [] for arm in arms}
         for _ in range(args.ab_runs):
             for arm, mode in arms.items():

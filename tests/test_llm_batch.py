@@ -484,3 +484,20 @@ def test_engine_config_checks_the_batching_options():
         with pytest.raises(InputError):
             EngineConfig(**bad)
     assert EngineConfig(llm_slots=0).llm_slots == 0
+
+
+def test_kv_slots_give_a_freed_rows_pages_back():
+    # One row of one layer = 64 positions x 16 x 4 bytes = one page, so a freed row is released whole.
+    slots = KVSlots(3, 1, 1, 64, 16)
+    for buffer in (*slots.keys, *slots.values):
+        buffer.fill(7.0)
+    for length in (64, 10, 5):
+        slots.add(PrefillCache(1, 1, length, 16))
+    slots.keys[0][2] = 5.0  # the row that will move
+    assert slots.remove(0) == 2  # row 2 moves into row 0; row 2's pages go back (read as zeros)
+    assert (slots.keys[0][0, :, :5] == 5.0).all()
+    assert not slots.keys[0][2].any() and not slots.values[0][2].any()
+    assert slots.remove(1) is None  # the last row leaves: released too
+    assert not slots.keys[0][1].any() and (slots.keys[0][0, :, :5] == 5.0).all()
+    slots.add(PrefillCache(1, 1, 3, 16))  # a released row is usable again
+    assert slots.count == 2 and not slots.keys[0][1].any()

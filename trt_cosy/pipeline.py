@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 
+from .runtime import heap
 from .runtime.render_turns import RENDER_TURNS, RenderTurns
 from .runtime.run_scope import RunCancelled, RunScope
 from .runtime.work_gate import RENDER_GATE, GateCancelled
@@ -336,6 +337,7 @@ class Request:
         finally:
             self.feed.close()
             self._flow_cache = None  # a stopped segment's cache goes with it
+            heap.trim()  # the request's freed blocks go back to the OS (servers: "Memory under load")
             _LOGGER.debug(
                 "request %s after %d chunks, %.2f s of audio in %.3f s (first audio %s s)",
                 "finished" if self.feed.finished_all else "stopped",

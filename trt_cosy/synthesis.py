@@ -79,7 +79,8 @@ class EngineConfig:
     0: every request decodes alone."""
     llm_slot_positions: int | None = None
     """Cached positions per KV slot (prompt + speech tokens), >= 1; a longer request decodes alone.
-    None: ``stages.llm_batch.DEFAULT_POSITIONS``."""
+    None: enough for the longest segment the engines accept (CosyVoice2/3: 8012 positions, reserved
+    as address space; pages are committed as a row fills and returned when it leaves)."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):

@@ -6,6 +6,10 @@ server whose render threads allocate and free tens of MiB per chunk (ONNX Runtim
 numpy temporaries) so keeps its high-water mark for good. A fixed threshold makes every block of
 ``threshold`` bytes or more its own mapping, unmapped when freed: RSS follows the work in flight
 (docs/benchmarks.md, "Memory under load"). The same as ``MALLOC_MMAP_THRESHOLD_=131072``.
+
+Smaller blocks still fragment the per-thread heaps: after eight long requests are cancelled
+mid-render, hundreds of MiB sit free inside them. ``trim`` (glibc ``malloc_trim(0)``) gives those
+pages back; once ``return_large_blocks`` is on, every request calls it when it ends.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import logging
 import sys
 from typing import Final
 
-__all__ = ["return_large_blocks", "DEFAULT_MMAP_THRESHOLD"]
+__all__ = ["return_large_blocks", "trim", "DEFAULT_MMAP_THRESHOLD"]
 
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_MMAP_THRESHOLD: Final = 128 * 1024  # glibc's initial value, kept fixed
 _M_MMAP_THRESHOLD: Final = -3  # from <malloc.h>
+_TRIM: list = []  # [libc] once return_large_blocks succeeded: trim() is on
 
 
 def return_large_blocks(threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
@@ -37,4 +42,15 @@ def return_large_blocks(threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     ok = bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
     _LOGGER.debug("glibc mmap threshold fixed at %d bytes: %s", threshold, ok)
+    if ok and not _TRIM and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+        _TRIM.append(libc)
     return ok
+
+
+def trim() -> bool:
+    """Return the free pages of glibc's heaps to the OS (``malloc_trim(0)``, a few ms); a no-op
+    (False) unless ``return_large_blocks`` turned it on for this process."""
+    if not _TRIM:
+        return False
+    return bool(_TRIM[0].malloc_trim(0))

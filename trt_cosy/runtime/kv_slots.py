@@ -2,10 +2,11 @@
 graph over them (``graphs.LLM_BATCH``; see ``stages.llm_batch`` for the scheduler that drives it).
 
 ``KVSlots`` holds one key and one value buffer per layer, [slots, H, capacity, Dh] float32,
-allocated once (``np.zeros``: the pages are committed as rows fill). The active rows of a batch are
-always the first ``count`` slots, so a step passes the views ``buffer[:count]`` (contiguous, no
+reserved once (anonymous memory: the pages are committed as rows fill). The active rows of a batch
+are always the first ``count`` slots, so a step passes the views ``buffer[:count]`` (contiguous, no
 copy); when a row leaves, the last active row moves into its place (one copy of that row's
-cached positions).
+cached positions) and the row freed at the end gives its pages back to the OS (``madvise``), so the
+slots hold only what the active rows use: after a burst of long requests RSS returns.
 
 ``OrtBatchLLM`` runs the graph with IOBinding, each layer's present bound to the very buffer of its
 past: ONNX Runtime's GroupQueryAttention sees the shared buffer and writes the new positions in
@@ -15,6 +16,7 @@ place, so a decode step copies no cache at all.
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,10 +49,32 @@ class KVSlots:
             raise InputError(f"KV slots need slots >= 1 and capacity >= 1, got {slots} and {capacity}.")
         self.slots, self.capacity = slots, capacity
         shape = (slots, kv_heads, capacity, head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(layers)]  # each [S, H, C, Dh]
-        self.values = [np.zeros(shape, np.float32) for _ in range(layers)]
+        self._maps: list[mmap.mmap] = []  # the anonymous mappings under the buffers (when madvise exists)
+        self.keys = [self._zeros(shape) for _ in range(layers)]  # each [S, H, C, Dh]
+        self.values = [self._zeros(shape) for _ in range(layers)]
         self.lengths = np.zeros(slots, np.int32)  # cached positions per row
         self.count = 0  # active rows: 0 .. count-1
+
+    def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A zeroed float32 buffer whose pages can be given back (an anonymous mapping), or np.zeros
+        where ``madvise`` is missing."""
+        nbytes = int(np.prod(shape)) * 4
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return np.zeros(shape, np.float32)
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # MADV_DONTNEED frees it
+        self._maps.append(mapping)
+        return np.frombuffer(mapping, np.float32).reshape(shape)
+
+    def release(self, row: int) -> None:
+        """Give the pages of an inactive ``row`` back to the OS (they read as zeros afterwards)."""
+        if not self._maps:
+            return
+        row_bytes = self.keys[0][0].nbytes
+        start = -(-row * row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the row only
+        end = (row + 1) * row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            for mapping in self._maps:
+                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     @property
     def nbytes(self) -> int:
@@ -78,12 +102,14 @@ class KVSlots:
         self.count = last
         if row == last:
             self.lengths[last] = 0
+            self.release(last)
             return None
         length = int(self.lengths[last])
         for buffer in (*self.keys, *self.values):
             buffer[row, :, :length] = buffer[last, :, :length]  # [H, P, Dh]
         self.lengths[row] = length
         self.lengths[last] = 0
+        self.release(last)
         return last
 
 

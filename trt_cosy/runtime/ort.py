@@ -34,8 +34,12 @@ _SHARED_ARENA_LOCK: Final = threading.Lock()
 # Engines use MultiHeadAttention with a head-broadcast attention_bias and GroupQueryAttention with
 # rotary inside: 1.18 rejects the bias shape, 1.20 returns NaN for it; 1.22 matches 1.32 to 1e-6.
 MIN_ENGINE_ORT: Final = (1, 22)
-# The vocoder graphs of every family: the last graph run of each chunk (``_shrinks_after``).
-_SHRINK_AFTER_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift"})
+# The graphs whose runs end with an arena shrink (``_shrinks_after``): the vocoders, the last graph
+# run of each chunk, and the flow encoders, whose relative-position attention makes the largest
+# working set of a render (quadratic in the tokens: ~3.9 GB for 1637 tokens at full size) once per
+# chunk, so a request cancelled before its vocoder runs does not leave it in the arena.
+_VOCODER_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift"})
+_SHRINK_AFTER_GRAPHS: Final = _VOCODER_GRAPHS | {"flow_encoder", "v1_flow_encoder"}
 _shared_arena_state: list[bool] = []  # [registered?] once tried: one process-wide CPU arena
 
 
@@ -113,10 +117,13 @@ def use_shared_arena(options: Any) -> bool:
 def _shrinks_after(graph: str) -> bool:
     """Whether a request's run of ``graph`` ends with an arena shrink.
 
-    ``TRT_COSY_ARENA_SHRINK``: ``1`` (default) after the vocoder graphs (the end of each chunk),
-    ``all`` after every flow and vocoder run (slower: the Euler steps reallocate), ``0`` never.
+    ``TRT_COSY_ARENA_SHRINK``: ``1`` (default) after the vocoder and flow encoder graphs (once per
+    chunk each), ``vocoder`` after the vocoder graphs only, ``all`` after every flow and vocoder run
+    (slower: the Euler steps reallocate), ``0`` never.
     """
     mode = os.environ.get("TRT_COSY_ARENA_SHRINK", "1")
+    if mode == "vocoder":
+        return graph in _VOCODER_GRAPHS
     return mode == "all" or (mode != "0" and graph in _SHRINK_AFTER_GRAPHS)
 
 
@@ -220,8 +227,8 @@ class OrtRunner:
         # A request's scope: its cancel() sets ``terminate`` and ORT stops at the next node.
         options = require("onnxruntime", "cpu").RunOptions()
         if _shrinks_after(self.name):
-            # Return the arena's free regions after the vocoder, the last graph of every chunk: a
-            # long render's working memory is not kept for good ("Memory under load").
+            # Return the arena's free regions after the flow encoder and the vocoder (once per chunk
+            # each): a long render's working memory is not kept for good ("Memory under load").
             options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         scope.register(options)
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -35,6 +35,21 @@ from .config import v2_config_from_release_dir
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = ["V2Family", "V2QualityFeeds"]
+
+# Text positions of the LLM input besides the speech tokens: the segment (at most ~375 text tokens
+# when the speech budget is 7500 tokens at 20 per text token), the voice's transcript, the specials.
+_TEXT_POSITIONS: Final = 512
+
+
+def _slot_positions(model: LoadedModel) -> int:
+    """KV positions per slot that cover the longest segment the engines accept: the speech tokens the
+    flow noise covers (prompt + new) plus ``_TEXT_POSITIONS``. The slots reserve them as address space
+    only; pages are committed as a row fills and given back when it leaves (``KVSlots.release``), so
+    long segments decode in the batch instead of alone (docs/benchmarks.md, "Memory at full size")."""
+    from ...stages.llm_batch import DEFAULT_POSITIONS
+
+    frames = model.flow_noise.shape[2] if model.flow_noise is not None else 0
+    return max(DEFAULT_POSITIONS, frames // model.config.flow.token_mel_ratio + _TEXT_POSITIONS)
 
 
 class V2QualityFeeds(QualityFeeds):
@@ -153,7 +168,7 @@ class V2Family(Family):
                     "them (`trt-cosy build --force ...`) for continuous batching"
                 )
             return LLMStage(runners["llm"], model.llm_tables, config.llm)
-        from ...stages.llm_batch import DEFAULT_POSITIONS, DEFAULT_SLOTS, BatchedLLMStage
+        from ...stages.llm_batch import DEFAULT_SLOTS, BatchedLLMStage
 
         return BatchedLLMStage(
             runners["llm"],
@@ -161,7 +176,7 @@ class V2Family(Family):
             model.llm_tables,
             config.llm,
             slots=DEFAULT_SLOTS if slots is None else slots,
-            positions=DEFAULT_POSITIONS if positions is None else positions,
+            positions=_slot_positions(model) if positions is None else positions,
         )
 
     def _stages(self, model: LoadedModel, llm: LLMStage, flow: FlowStage) -> Any:
