@@ -297,14 +297,16 @@ def test_serve_command_binds_loopback_with_the_given_limits(torch_tts, tmp_path,
     from trt_cosy.cli import main
 
     served = serve_without_serving(monkeypatch, torch_tts, tmp_path / "cache")
-    result = CliRunner().invoke(main, ["serve", "--engines", str(tmp_path), "--max-queue", "3"])
+    result = CliRunner().invoke(
+        main, ["serve", "--engines", str(tmp_path), "--max-queue", "3", "--max-segment-tokens", "50"]
+    )
     assert result.exit_code == 0, result.output
     tts, settings = served[0]
     assert (
         tts is torch_tts and settings.host == "127.0.0.1" and settings.port == 8000 and settings.is_loopback
     )
     assert (
-        settings.max_queue == 3 and settings.voices_dir == tmp_path / "cache" / "voices" / torch_tts.model_id
+        settings.max_queue == 3 and settings.max_segment_tokens == 50 and settings.voices_dir == tmp_path / "cache" / "voices" / torch_tts.model_id
     )
     missing = CliRunner().invoke(main, ["serve", "--engines", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "does not exist" in missing.output

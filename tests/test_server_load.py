@@ -347,6 +347,25 @@ def test_slow_clients_are_timed_out(tts, voices_dir):
         assert httpx.get(url + "/health").status_code == 200
 
 
+def test_a_sentence_too_long_to_render_is_refused_with_400(tts, voices_dir):
+    """One segment renders at once and its flow encoder's memory grows with the square of its length:
+    words without sentence punctuation beyond ``max_segment_tokens`` get 400, not an out-of-memory render."""
+    run_on = " ".join(["and then the river kept on running"] * 60)  # one 'sentence', > 200 tokens
+    with running_server(tts, voices_dir, warmup=False) as url:
+        wait_ready(url)
+        for path, body in [
+            ("/v1/audio/speech", {"input": run_on, "voice": "alice", "seed": 1}),
+            ("/tts", {"text": run_on, "voice": "alice", "seed": 1}),
+        ]:
+            response = httpx.post(url + path, json=body)
+            assert response.status_code == 400, response.text
+            message = response.json()["error"]["message"]
+            assert "at most 200 fit in one segment" in message and "punctuation" in message, message
+        short = httpx.post(url + "/tts", json={"text": "Hello there.", "voice": "alice", "seed": 1})
+        assert short.status_code == 200
+        assert RENDER_GATE.in_flight == 0
+
+
 # ----------------------------------------------------------------------------- cancellation
 
 

@@ -81,7 +81,8 @@ def ray_serve_options(serve_command):
             port=options["port"], threads=options.get("threads"), max_concurrent=options["max_concurrent"],
             max_queue=options["max_queue"], request_timeout_s=options["timeout_s"], replicas=replicas or 1,
             autoscale=_autoscale(autoscale), ray_address=ray_address,
-            settings={"api_key": options["api_key"]} if options.get("api_key") else {},
+            settings={"max_segment_tokens": options["max_segment_tokens"]}
+            | ({"api_key": options["api_key"]} if options.get("api_key") else {}),
         ), progress=lambda message: click.echo(message, err=True))
 
     for option in reversed((
@@ -116,11 +117,14 @@ def ray_serve_options(serve_command):
               help="Require 'Authorization: Bearer KEY' on every route but /health and the playground page.")
 @click.option("--stream-default/--no-stream-default", "stream_speech", default=True, show_default=True,
               help="/v1/audio/speech streams wav and pcm unless the body says stream: false (as OpenAI's).")
+@click.option("--max-segment-tokens", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Most text tokens in one sentence-segment; longer ones get 400 (render memory grows "
+                   "with the square of a segment's length).")
 @backend_option()
 @ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
           threads: int | None, max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None,
-          stream_speech: bool, backend: str) -> None:
+          stream_speech: bool, max_segment_tokens: int, backend: str) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from ..errors import require
 
@@ -137,7 +141,7 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
         max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,
-        stream_speech=stream_speech,
+        stream_speech=stream_speech, max_segment_tokens=max_segment_tokens,
     )
     click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
     click.echo(f"playground: http://{host}:{port}/" + ("" if api_key is None else " (API key required)"), err=True)

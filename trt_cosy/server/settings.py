@@ -28,6 +28,11 @@ class ServerSettings:
     """The id listed by ``GET /v1/models``. Requests may name any model: one is served."""
     max_input_chars: int = 4096
     """Longest ``input`` text accepted, in characters (OpenAI's limit)."""
+    max_segment_tokens: int = 200
+    """Most text tokens in one segment (a sentence, or short sentences merged the official way); a longer
+    one is refused with 400. One segment is rendered at once, and the flow encoder's memory grows with the
+    square of its length (about 4 GB at 1600 speech tokens, full size: docs/benchmarks.md, "Memory at full
+    size"), so a long run of words without sentence punctuation must not reach it. Prose has 60-160."""
     max_concurrent: int = 1
     """Syntheses (and voice uploads) running at once, >= 1."""
     max_queue: int = 8
@@ -55,7 +60,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voices_dir", Path(self.voices_dir))
-        positive = ("max_input_chars", "max_concurrent", "max_upload_bytes", "max_json_bytes")
+        positive = ("max_input_chars", "max_segment_tokens", "max_concurrent", "max_upload_bytes", "max_json_bytes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

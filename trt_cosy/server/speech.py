@@ -72,16 +72,16 @@ class SynthesisResponse(StreamingResponse):
             self.job.close("disconnect")  # a no-op when the synthesis completed
 
 
-def _synthesis_config(speed: float, stream: bool) -> SynthesisConfig:
+def _synthesis_config(speed: float, stream: bool, max_segment_tokens: int) -> SynthesisConfig:
     if not math.isfinite(speed) or not 0.25 <= speed <= 4.0:
         raise APIError(400, f"speed must be between 0.25 and 4.0, got {speed!r}.", "invalid_speed", "speed")
     if speed != 1.0:
         # Only what the engine supports: SynthesisConfig refuses other speeds with a message.
         try:
-            return SynthesisConfig(speed=speed)
+            return SynthesisConfig(speed=speed, max_text_tokens=max_segment_tokens)
         except Exception as exc:
             raise APIError(400, str(exc), "unsupported_speed", "speed") from None
-    return SynthesisConfig(stream=True) if stream and _ENGINE_STREAMS else SynthesisConfig()
+    return SynthesisConfig(stream=stream and _ENGINE_STREAMS, max_text_tokens=max_segment_tokens)
 
 
 async def _synthesize(
@@ -108,7 +108,7 @@ async def _synthesize(
         )
     voice = state.store.get(voice_name).voice
     streaming = stream and response_format in STREAMING_FORMATS
-    config = _synthesis_config(speed, streaming)
+    config = _synthesis_config(speed, streaming, settings.max_segment_tokens)
     # Checks the text (normalises and tokenises it) at once; InputError becomes a 400. Lazy after that.
     chunks = await anyio.to_thread.run_sync(lambda: state.tts.synthesize(text, voice, seed, config))
     try:
