@@ -39,10 +39,10 @@ from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..models.registry import family_named
 from ..runtime.engines import MODEL_CONFIG_NAME, TOKENIZER_DIR
 from ..runtime.llm_decode import LLM_DECODE_NAME
-from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord, hash_checkpoint
+from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, hash_checkpoint
 from ..runtime.openvino import OV_PRECISIONS
 from ..version import __version__
-from .export import OPSET, ExportResult, onnx_io_specs
+from .export import OPSET, ExportResult, graph_record
 from .family_engines import (
     check_family_options,
     copy_v1_tokenizer,
@@ -324,17 +324,7 @@ def _link_frontend_models(model_dir: Path, staging: Path, names: tuple[str, ...]
 
 
 def _graph_record(result: ExportResult, root: Path) -> GraphRecord:
-    inputs, outputs = onnx_io_specs(result.path)
-
-    def record(item: dict) -> TensorRecord:
-        return TensorRecord(item["name"], item["dtype"], tuple(item["shape"]))
-
-    return GraphRecord(
-        file=result.path.relative_to(root).as_posix(),
-        inputs=tuple(record(item) for item in inputs),
-        outputs=tuple(record(item) for item in outputs),
-        max_errors=dict(result.max_errors),
-    )
+    return graph_record(result.path, root, result.max_errors)
 
 
 def _file_sizes(root: Path) -> dict[str, int]:

@@ -32,6 +32,7 @@ from ..config import ModelConfig
 from ..errors import TrtCosyError
 from ..runtime import graphs
 from ..runtime.graphs import GraphSpec
+from ..runtime.manifest import GraphRecord, TensorRecord
 from ..runtime.model import LoadedModel
 from ..runtime.ort import OrtRunner
 
@@ -39,6 +40,7 @@ __all__ = [
     "OPSET",
     "TOLERANCES",
     "ExportResult",
+    "graph_record",
     "GraphPlan",
     "export_graph",
     "graph_export_plan",
@@ -220,6 +222,22 @@ def onnx_io_specs(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]
         return {"name": value.name, "dtype": dtype, "shape": shape}
 
     return [describe(v) for v in model.graph.input], [describe(v) for v in model.graph.output]
+
+
+def graph_record(path: Path, root: Path, max_errors: Mapping[str, float] | None = None) -> GraphRecord:
+    """The manifest record of the graph at ``path`` (its I/O as ``onnx_io_specs`` reads them), named
+    relative to the engines folder ``root``; ``max_errors``: its measured parity, when it had a check."""
+    inputs, outputs = onnx_io_specs(path)
+
+    def record(item: dict) -> TensorRecord:
+        return TensorRecord(item["name"], item["dtype"], tuple(item["shape"]))
+
+    return GraphRecord(
+        file=path.relative_to(root).as_posix(),
+        inputs=tuple(record(item) for item in inputs),
+        outputs=tuple(record(item) for item in outputs),
+        max_errors=dict(max_errors or {}),
+    )
 
 
 def _parity(

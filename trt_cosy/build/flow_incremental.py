@@ -28,9 +28,9 @@ from torch.export import Dim
 from ..config import ModelConfig
 from ..errors import InputError
 from ..runtime import graphs
-from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord
+from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest
 from ..runtime.model import LoadedModel
-from .export import ExportResult, GraphPlan, export_graph, onnx_io_specs
+from .export import ExportResult, GraphPlan, export_graph, graph_record
 from .modules.flow_estimator import CausalConditionalDecoder
 from .modules.flow_estimator_incremental import IncrementalEstimatorGraph, incremental_cache_layout
 from .onnx_files import save_onnx
@@ -141,17 +141,7 @@ def _rewrite(path: Path, feeds: list[dict[str, np.ndarray]], progress: Progress 
 
 
 def _record(result: ExportResult, root: Path) -> GraphRecord:
-    inputs, outputs = onnx_io_specs(result.path)
-
-    def record(item: dict) -> TensorRecord:
-        return TensorRecord(item["name"], item["dtype"], tuple(item["shape"]))
-
-    return GraphRecord(
-        file=result.path.relative_to(root).as_posix(),
-        inputs=tuple(record(item) for item in inputs),
-        outputs=tuple(record(item) for item in outputs),
-        max_errors=dict(result.max_errors),
-    )
+    return graph_record(result.path, root, result.max_errors)
 
 
 def _emit(progress: Progress | None, message: str) -> None:

@@ -32,8 +32,8 @@ from onnx import TensorProto, helper
 
 from ..errors import InputError
 from ..runtime.graphs import LLM_BATCH
-from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, TensorRecord
-from .export import onnx_io_specs
+from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest
+from .export import graph_record
 from .onnx_files import save_onnx
 from .onnx_graph import MS_DOMAIN, drop_dead_nodes
 
@@ -122,16 +122,7 @@ def write_batched_llm(directory: Path) -> Path | None:
 def batch_graph_record(path: Path, root: Path) -> GraphRecord:
     """The manifest record of ``llm_batch.onnx`` (derived from ``llm.onnx``, which passed the torch
     parity check; tests/test_llm_batch.py compares the two graphs row by row)."""
-    inputs, outputs = onnx_io_specs(path)
-
-    def record(item: dict) -> TensorRecord:
-        return TensorRecord(item["name"], item["dtype"], tuple(item["shape"]))
-
-    return GraphRecord(
-        file=path.relative_to(root).as_posix(),
-        inputs=tuple(record(item) for item in inputs),
-        outputs=tuple(record(item) for item in outputs),
-    )
+    return graph_record(path, root)
 
 
 def add_batched_llm(engines_dir: Path) -> Path:
