@@ -13,10 +13,11 @@ you soon.", synthetic 50-token prompt, streaming), once per variant:
 * ``before``: renders run at once, the decode loop never pauses, decode threads at nice 0;
 * ``turns``: renders take turns (first chunks first: ``runtime.render_turns``);
 * ``turns+hold``: and the decode loop pauses while a first chunk renders (``DecodeScheduler.hold``);
-* ``turns+hold+nice``: and the decode threads run at nice ``DECODE_NICE`` (needs CAP_SYS_NICE);
+* ``turns+hold+nice``: and the decode threads run at nice ``DECODE_NICE`` (needs CAP_SYS_NICE)
+  (``DecodeScheduler.pause = "any"``: the default since 2026-12-01 22:20);
 * ``turns+nice``: turns and nice, no pause;
 * ``turns+share+nice``: the loop pauses only while as many first chunks render as rows decode
-  (``DecodeScheduler.pause = "all"``, the default).
+  (``DecodeScheduler.pause = "all"``).
 
 A round ends (its requests are cancelled) once every request has its first audio and its LLM has
 finished: what is compared is decode throughput and time to first audio, not the tail renders.

@@ -83,24 +83,31 @@ def main() -> None:
     _run(tts, voice, "Warm up.", stream=True, seed=0)
     results = {}
     for stream in (False, True):
-        runs = [_run(tts, voice, args.text, stream, seed=1) for _ in range(args.runs)]
-        name = "stream" if stream else "non-stream"
-        results[name] = runs
-        median = {
-            key: statistics.median(run[key] for run in runs)
-            for key in ("ttfa_s", "total_s", "audio_s", "rtf")
-        }
+        results["stream" if stream else "non-stream"] = [
+            _run(tts, voice, args.text, stream, seed=1) for _ in range(args.runs)
+        ]
+    _report(results)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
+
+
+def _report(results: dict[str, list[dict]]) -> None:
+    """Print each mode's medians (against non-streaming) and the chunks of its last run."""
+    base = statistics.median(run["total_s"] for run in results["non-stream"])
+    for name, runs in results.items():
+        keys = ("ttfa_s", "total_s", "audio_s") + (("flow_s",) if "flow_s" in runs[0] else ())
+        median = {key: statistics.median(run[key] for run in runs) for key in keys}
+        flow = f", flow {median['flow_s']:.2f} s" if "flow_s" in median else ""
         print(
-            f"{name:>10}: first audio {median['ttfa_s']:.2f} s, total {median['total_s']:.2f} s, "
-            f"audio {median['audio_s']:.2f} s, RTF {median['rtf']:.2f}"
+            f"{name:>18}: first audio {median['ttfa_s']:.2f} s, total {median['total_s']:.2f} s "
+            f"({median['total_s'] / base:.2f}x non-stream){flow}, audio {median['audio_s']:.2f} s, "
+            f"RTF {median['total_s'] / median['audio_s']:.2f}"
         )
         for index, chunk in enumerate(runs[-1]["chunks"]):
             print(
-                f"{'':>12}chunk {index}: {chunk['tokens']:.0f} tokens, llm wait {chunk['llm_wait_s']:.2f} s, "
+                f"{'':>20}chunk {index}: {chunk['tokens']:.0f} tokens, llm wait {chunk['llm_wait_s']:.2f} s, "
                 f"flow {chunk['flow_s']:.2f} s, vocoder {chunk['vocoder_s']:.2f} s"
             )
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
 
 
 def _incremental_ab(args: argparse.Namespace) -> None:
@@ -144,21 +151,7 @@ def _incremental_ab(args: argparse.Namespace) -> None:
                 f"  {name}: first audio {run['ttfa_s']:.2f} s, total {run['total_s']:.2f} s, flow {run['flow_s']:.2f} s",
                 flush=True,
             )
-    base = statistics.median(run["total_s"] for run in results["non-stream"])
-    for name, runs in results.items():
-        median = {
-            key: statistics.median(run[key] for run in runs)
-            for key in ("ttfa_s", "total_s", "audio_s", "flow_s")
-        }
-        print(
-            f"{name:>18}: first audio {median['ttfa_s']:.2f} s, total {median['total_s']:.2f} s "
-            f"({median['total_s'] / base:.2f}x non-stream), flow {median['flow_s']:.2f} s, audio {median['audio_s']:.2f} s"
-        )
-        for index, chunk in enumerate(runs[-1]["chunks"]):
-            print(
-                f"{'':>20}chunk {index}: {chunk['tokens']:.0f} tokens, llm wait {chunk['llm_wait_s']:.2f} s, "
-                f"flow {chunk['flow_s']:.2f} s, vocoder {chunk['vocoder_s']:.2f} s"
-            )
+    _report(results)
     print(f"largest flow cache of a segment: {peak['bytes'] / 2**20:.0f} MiB for {peak['frames']} mel frames")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")

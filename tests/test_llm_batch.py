@@ -251,7 +251,7 @@ def test_first_chunk_hold_pauses_the_loop_only_when_every_row_is_held(model, alo
     decoding alone does); with a second row running, the loop goes on; the tokens stay exact."""
     stage = _batched(model, slots=2)
     scheduler = stage.scheduler
-    assert scheduler.pause == "all"
+    scheduler.pause = "all"
     _slow_steps(stage, monkeypatch)
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
 
@@ -281,7 +281,7 @@ def test_first_chunk_hold_pauses_the_loop_only_when_every_row_is_held(model, alo
 def test_any_pause_holds_the_loop_for_every_row(model, alone, v2_reference, monkeypatch):
     stage = _batched(model, slots=2)
     scheduler = stage.scheduler
-    scheduler.pause = "any"
+    assert scheduler.pause == "any"  # the default
     _slow_steps(stage, monkeypatch)
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
     sampler = RASSampler.from_config(model.config.llm, np.random.default_rng(3))

@@ -186,6 +186,11 @@ class VoicePrefixes:
             while len(self._entries) > self.slots:
                 self._entries.popitem(last=False)
 
+    def clear(self) -> None:
+        """Forget every voice (the next request of each computes its prefix again)."""
+        with self._lock:
+            self._entries.clear()
+
     @property
     def nbytes(self) -> int:
         with self._lock:
