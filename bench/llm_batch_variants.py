@@ -37,7 +37,10 @@ class _Graph:
         self.model = onnx.load(str(int4 / f"{graph}.onnx"))
         self.graph = self.model.graph
         self.inits = {init.name: init for init in self.graph.initializer}
-        self._fp32 = {i.name: i for i in onnx.load(str(fp32 / f"{graph}.onnx"), load_external_data=False).graph.initializer}
+        self._fp32 = {
+            i.name: i
+            for i in onnx.load(str(fp32 / f"{graph}.onnx"), load_external_data=False).graph.initializer
+        }
         self._fp32_dir = fp32
 
     def fp32_weight(self, quantized_name: str) -> np.ndarray:
@@ -106,7 +109,9 @@ def _to_dynamic_int8(model: _Graph, node: onnx.NodeProto) -> onnx.NodeProto:
     for old in node.input[1:3]:
         model.drop(old)
     inputs = [node.input[0], name + "_i8", name + "_i8_scale", name + "_i8_zero"]
-    return helper.make_node("DynamicQuantizeMatMul", inputs, list(node.output), name=node.name + "_i8", domain=MS_DOMAIN)
+    return helper.make_node(
+        "DynamicQuantizeMatMul", inputs, list(node.output), name=node.name + "_i8", domain=MS_DOMAIN
+    )
 
 
 def _to_fp32(model: _Graph, node: onnx.NodeProto) -> onnx.NodeProto:
@@ -114,7 +119,9 @@ def _to_fp32(model: _Graph, node: onnx.NodeProto) -> onnx.NodeProto:
     model.replace(name + "_f32", model.fp32_weight(name))
     for old in node.input[1:3]:
         model.drop(old)
-    return helper.make_node("MatMul", [node.input[0], name + "_f32"], list(node.output), name=node.name + "_f32")
+    return helper.make_node(
+        "MatMul", [node.input[0], name + "_f32"], list(node.output), name=node.name + "_f32"
+    )
 
 
 def _fuse_gate_up(model: _Graph) -> int:
@@ -170,7 +177,11 @@ def _fold_bias(model: _Graph) -> int:
         matmul = producers.get(add.input[0])
         if matmul is None or matmul.op_type != "MatMulNBits":
             continue
-        inputs = [*matmul.input, *[""] * (5 - len(matmul.input)), add.input[1]]  # A, B, scales, zp, g_idx, bias
+        inputs = [
+            *matmul.input,
+            *[""] * (5 - len(matmul.input)),
+            add.input[1],
+        ]  # A, B, scales, zp, g_idx, bias
         del matmul.input[:]
         matmul.input.extend(inputs)
         matmul.output[0] = add.output[0]

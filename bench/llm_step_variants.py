@@ -76,7 +76,9 @@ class _Bench:
             slots.add(cache)
         model = OrtBatchLLM(_Runner("llm_batch", session), qwen.num_layers)
         stepper = model.decoder(slots, self.config.llm.speech_vocab_size)
-        inputs = self.rng.standard_normal((batch, 1, self.config.llm.llm_input_size)).astype(np.float32)  # [B, 1, D]
+        inputs = self.rng.standard_normal((batch, 1, self.config.llm.llm_input_size)).astype(
+            np.float32
+        )  # [B, 1, D]
 
         def step() -> None:
             stepper.step(inputs)
@@ -95,7 +97,9 @@ def _time_steps(step, steps: int) -> float:
     return float(np.median(times))
 
 
-def _profile(bench: _Bench, path: str, entries: dict, threads: int, batch: int, steps: int, prefix: str) -> dict:
+def _profile(
+    bench: _Bench, path: str, entries: dict, threads: int, batch: int, steps: int, prefix: str
+) -> dict:
     session = _session(path, entries, threads, profile=prefix)
     step = bench.stepper(session, batch)
     for _ in range(3):  # warm (kept out of the totals below by dividing by all runs: see `runs`)
@@ -144,13 +148,16 @@ def main() -> None:
         steppers = {label: bench.stepper(sessions[label], batch) for label in sessions}
         for round_ in range(args.rounds):
             order = list(steppers)
-            order = order[round_ % len(order):] + order[: round_ % len(order)]
+            order = order[round_ % len(order) :] + order[: round_ % len(order)]
             for label in order:
                 medians[label][batch].append(_time_steps(steppers[label], args.steps) * 1e3)
         del steppers
         line = "  ".join(f"{label} {np.median(medians[label][batch]):.2f}" for label in sessions)
         print(f"B={batch}: step ms (median of {args.rounds} rounds)  {line}", flush=True)
-    out: dict = {"command": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "step_ms": {}}
+    out: dict = {
+        "command": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "step_ms": {},
+    }
     print("\nvariant  " + "  ".join(f"B{b:<6d}" for b in batches) + "  4xB1/B4  8xB1/B8")
     for label in sessions:
         row = {b: float(np.median(medians[label][b])) for b in batches}
