@@ -17,6 +17,9 @@ seconds (flow + vocoder, no LLM), the number of calls, and the mel difference to
 Engines with ``flow_estimator_incremental.onnx`` also run ``official+inc`` and ``fast+inc``: the same
 schedules with the incremental flow (``trt_cosy.stages.flow_incremental``: each chunk computes its
 new frames only), and print the largest flow cache the segment held.
+
+CosyVoice2 and CosyVoice3 engines (v3: its vocoder re-renders the whole mel so far at every chunk,
+as the official ``CosyVoice3Model.token2wav`` does).
 """
 
 from __future__ import annotations
@@ -46,9 +49,28 @@ def _plans(schedule: str, prompt: int, total: int, chunk: int, lookahead: int) -
     return hop_schedule(prompt, True, chunk, lookahead, schedule).plan_all(total)
 
 
+def _v3_vocoder(model):
+    """CosyVoice3's vocoder behind the CosyVoice2 ``render(mel, rng, cache, final)`` call of ``_run``."""
+    from trt_cosy.models.v3.stages import V3VocoderCache, V3VocoderStage
+
+    stage = V3VocoderStage(
+        model.runners["hift"], model.runners["hift_stream"], model.hift_noise, model.config.hift
+    )
+
+    class _Vocoder:
+        new_cache = V3VocoderCache
+
+        @staticmethod
+        def render(mel, rng, cache, final):
+            return stage.render(mel, cache, final=final)
+
+    return _Vocoder()
+
+
 def _run(flow, vocoder, inputs, plans, ratio, incremental: bool = False) -> dict:
     tokens, prompt_tokens, prompt_mel, embedding = inputs
-    rng, cache, mels, seconds = np.random.default_rng(0), VocoderCache(), [], []
+    new_cache = getattr(vocoder, "new_cache", VocoderCache)
+    rng, cache, mels, seconds = np.random.default_rng(0), new_cache(), [], []
     flow_cache = flow.new_cache() if incremental else None
     held = 0
     for plan in plans:
@@ -98,7 +120,10 @@ def main() -> None:
         config.flow,
         incremental_runner=runners.get(graphs.FLOW_ESTIMATOR_INCREMENTAL.name),
     )
-    vocoder = VocoderStage(runners[graphs.HIFT.name], config.hift)
+    if config.family == "v3":
+        vocoder = _v3_vocoder(model)
+    else:
+        vocoder = VocoderStage(runners[graphs.HIFT.name], config.hift)
     rng = np.random.default_rng(1)
     prompt = round(args.ref_seconds * 25)
     total = round(args.segment_seconds * 25)
@@ -110,8 +135,7 @@ def main() -> None:
     )
     encoder = config.flow.encoder
     plans = {
-        name: _plans(name, prompt, total, encoder.static_chunk_size, encoder.pre_lookahead_len)
-        for name in SCHEDULES
+        name: _plans(name, prompt, total, config.chunk_size, encoder.pre_lookahead_len) for name in SCHEDULES
     }
     modes = list(SCHEDULES)
     if flow.incremental_runner is not None:

@@ -171,6 +171,7 @@ class V3Request(Request):
             self.voice.speaker_embedding[None],  # [1, 192]
             streaming=plan.streaming,
             finalize=plan.final,
+            cache=self._flow_cache,  # incremental chunks where the engines have the graph
         ).mel  # mel: [1, 80, 2 * (end - 3 unless final)]
         mel = mel[:, :, self.config.token_mel_ratio * plan.offset :]  # mel: [1, 80, F]
         flow_done = time.perf_counter()

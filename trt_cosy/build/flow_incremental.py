@@ -1,14 +1,15 @@
 """The incremental streaming estimator ``flow_estimator_incremental.onnx`` (contract
-``graphs.FLOW_ESTIMATOR_INCREMENTAL``) for the ONNX Runtime engines of CosyVoice2.
+``graphs.FLOW_ESTIMATOR_INCREMENTAL``; CosyVoice3: ``graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3``) for
+the ONNX Runtime engines of CosyVoice2 and CosyVoice3.
 
-Exported beside the other graphs by ``trt-cosy build`` (onnxruntime backend, CosyVoice2 only),
+Exported beside the other graphs by ``trt-cosy build`` (onnxruntime backend, CosyVoice2 and 3),
 checked against torch like every graph, then given the estimators' treatment: Mish and GELU
 rewritten for ONNX Runtime (proven equal) and, for the int8/int4 precisions, dynamic int8 MatMuls.
 ``add_incremental_estimator`` adds it to engines built before it existed. Engines without it still
 load: their streaming chunks recompute the flow from the start (``stages.flow``).
 
-CosyVoice 1 has no chunk-attention estimator (its streaming recomputes with full attention), and
-CosyVoice3's DiT estimator is not handled here: both keep the recomputation.
+CosyVoice 1 has no chunk-attention estimator (its streaming recomputes with full attention): it
+keeps the recomputation. CosyVoice3's DiT graph is ``build.models.v3.dit_incremental``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from typing import Final
 
 import numpy as np
 import onnx
+from torch import nn
 from torch.export import Dim
 
 from ..config import ModelConfig
 from ..errors import InputError
+from ..models.v3 import graphs as graphs_v3
 from ..runtime import graphs
+from ..runtime.graphs import GraphSpec
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest
 from ..runtime.model import LoadedModel
 from .export import ExportResult, GraphPlan, export_graph, graph_record
@@ -93,18 +97,17 @@ def write_incremental_estimator(
 ) -> tuple[Path, GraphRecord] | None:
     """Export, rewrite and (int8/int4) quantise the incremental estimator into ``out_dir``.
 
-    Returns the graph file and its manifest record, or None where the family has none (v1, v3).
+    Returns the graph file and its manifest record, or None where the family has none (v1).
     """
-    estimator = _estimator(model)
-    if estimator is None:
+    graph = _incremental_graph(model)
+    if graph is None:
         return None
+    spec, module, plan = graph
     out_dir = Path(out_dir)
-    spec = graphs.FLOW_ESTIMATOR_INCREMENTAL
-    plan = incremental_export_plan(model.config, estimator)
     path = out_dir / INCREMENTAL_FILE
     result = export_graph(
         spec,
-        IncrementalEstimatorGraph(estimator),
+        module,
         plan.sample,
         path,
         plan.dynamic_shapes,
@@ -120,6 +123,24 @@ def write_incremental_estimator(
         staged.replace(path)
         _emit(progress, f"{spec.name}: {count} MatMul weights -> int8 in {time.perf_counter() - start:.1f} s")
     return path, _record(result, out_dir)
+
+
+def _incremental_graph(model: LoadedModel) -> tuple[GraphSpec, nn.Module, GraphPlan] | None:
+    """(contract, torch module, export plan) of the family's incremental estimator, or None (v1)."""
+    if model.config.family == "v3":
+        from .models.v3.dit_incremental import V3IncrementalEstimatorGraph, v3_incremental_export_plan
+
+        runner = model.runners.get(graphs.FLOW_ESTIMATOR.name)
+        dit = getattr(getattr(runner, "module", None), "estimator", None)  # EstimatorGraph(flow).estimator
+        if dit is None:
+            return None
+        spec = graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3
+        return spec, V3IncrementalEstimatorGraph(dit), v3_incremental_export_plan(model.config)
+    estimator = _estimator(model)
+    if estimator is None:
+        return None
+    plan = incremental_export_plan(model.config, estimator)
+    return graphs.FLOW_ESTIMATOR_INCREMENTAL, IncrementalEstimatorGraph(estimator), plan
 
 
 def _rewrite(path: Path, feeds: list[dict[str, np.ndarray]], progress: Progress | None) -> None:
@@ -151,7 +172,7 @@ def _emit(progress: Progress | None, message: str) -> None:
 
 
 def add_incremental_estimator(engines_dir: Path, model_dir: Path, progress: Progress | None = None) -> Path:
-    """Add ``flow_estimator_incremental.onnx`` to existing CosyVoice2 ONNX Runtime engines of this
+    """Add ``flow_estimator_incremental.onnx`` to existing CosyVoice2/3 ONNX Runtime engines of this
     version (built from ``model_dir``, checked by hash) and record it in the manifest."""
     from .family_engines import load_model_for_build
 
@@ -162,7 +183,8 @@ def add_incremental_estimator(engines_dir: Path, model_dir: Path, progress: Prog
     written = write_incremental_estimator(model, engines_dir, manifest.precision, progress)
     if written is None:
         raise InputError(
-            f"{model_dir} is not a CosyVoice2 release: only CosyVoice2 has an incremental streaming estimator."
+            f"{model_dir} is a CosyVoice 1 release: only CosyVoice2 and CosyVoice3 have an incremental "
+            "streaming estimator."
         )
     path, record = written
     files = {

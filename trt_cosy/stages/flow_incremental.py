@@ -1,4 +1,4 @@
-"""Streaming flow chunks that compute their new frames only (numpy; CosyVoice2, ONNX Runtime).
+"""Streaming flow chunks that compute their new frames only (numpy; CosyVoice2 and 3, ONNX Runtime).
 
 The official schedule reruns the flow over every token so far at each chunk. With chunk attention
 the estimator is chunk-causal and the hops end on chunk boundaries, so the frames of earlier chunks
@@ -8,11 +8,18 @@ values; each causal convolution's last two input frames) and their finished mel,
 ``solve_euler_incremental`` runs the ``FLOW_ESTIMATOR_INCREMENTAL`` graph on the new frames only.
 The encoder still reruns over every token (a few % of the flow's work).
 
+CosyVoice3 (``graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3``, the same I/O): per DiT block the modulated
+attention input (keys are rotated at their absolute positions in the graph) and the last 30 input
+frames of the two conv position embedding convolutions; ``cache_layout`` reads which from the
+estimator configuration.
+
 Memory: ``bytes_per_frame`` = steps · blocks · 2 (CFG rows) · width · 4 bytes, float32 (float16
 moves the tiny golden model's mel by 3e-4, above the golden 2e-4): 1.09 MiB per mel frame (50 per
-second, prompt included) at full size (10 steps, 56 blocks, width 256). Past ``limit_bytes`` (default
-``DEFAULT_LIMIT_BYTES``) the cache is dropped and the segment's later chunks recompute from the start,
-as without it. The final full-attention call (official) never uses it.
+second, prompt included) at full size (10 steps, 56 blocks, width 256); 1.72 MiB for the full-size
+CosyVoice3 DiT (22 blocks, width 1024), whose tails (2 · 1024 channels · 30 frames per step and row)
+add 4.7 MiB per segment. Past ``limit_bytes`` (default ``DEFAULT_LIMIT_BYTES``: ~1190 frames, 24 s,
+for CosyVoice3) the cache is dropped and the segment's later chunks recompute from the start, as
+without it. The final full-attention call (official) never uses it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Final
 import numpy as np
 
 from ..config import EstimatorConfig
+from ..models.v3.config import DiTConfig
 from ..runtime.base import Runner
 
 __all__ = [
@@ -35,6 +43,7 @@ __all__ = [
     "FlowCache",
     "VoicePrefixes",
     "cache_layout",
+    "cache_tail",
     "solve_euler_incremental",
 ]
 
@@ -44,16 +53,24 @@ DEFAULT_LIMIT_BYTES: Final = 2 << 30  # 2 GiB per segment: ~1870 frames (37 s of
 DEFAULT_VOICE_SLOTS: Final = (
     2  # voices whose prompt prefix ``VoicePrefixes`` keeps (~220 MiB each, 5 s prompt)
 )
-_TAIL: Final = 2  # causal kernel 3 - 1
+_TAIL: Final = 2  # causal kernel 3 - 1 (CosyVoice2)
 
 
-def cache_layout(config: EstimatorConfig) -> tuple[int, int, int]:
-    """(transformer blocks L, width D, summed causal-convolution input channels C) of the v2 estimator."""
+def cache_layout(config: EstimatorConfig | DiTConfig) -> tuple[int, int, int]:
+    """(transformer blocks L, width D, summed causal-convolution input channels C) of the estimator:
+    the v2 U-Net's, or the v3 DiT's (its two conv position embedding convolutions: C = 2·dim)."""
+    if isinstance(config, DiTConfig):
+        return config.depth, config.dim, 2 * config.dim
     width = config.channels[0]
     blocks = config.n_blocks * (config.num_mid_blocks + 2)
     # down: block1 (in_channels), block2, conv; mid: 2 each; up: block1 (2W), block2, conv; final block.
     channels = config.in_channels + 2 * width + 2 * width * config.num_mid_blocks + 2 * width + 3 * width
     return blocks, width, channels
+
+
+def cache_tail(config: EstimatorConfig | DiTConfig) -> int:
+    """Input frames each causal convolution needs from before a chunk: kernel - 1 (2; v3: 30)."""
+    return config.conv_pos_kernel - 1 if isinstance(config, DiTConfig) else _TAIL
 
 
 class FlowCache:
@@ -65,7 +82,9 @@ class FlowCache:
             segment recomputes from then on.
     """
 
-    def __init__(self, config: EstimatorConfig, steps: int, limit_bytes: int = DEFAULT_LIMIT_BYTES):
+    def __init__(
+        self, config: EstimatorConfig | DiTConfig, steps: int, limit_bytes: int = DEFAULT_LIMIT_BYTES
+    ):
         self.blocks, self.width, self.channels = cache_layout(config)
         self.chunk = config.static_chunk_size
         self.steps = steps
@@ -73,7 +92,8 @@ class FlowCache:
         self.frames = 0  # completed frames held (a multiple of the chunk while usable)
         self.disabled: str | None = None  # why this segment recomputes, once it does
         self._blocks: list[np.ndarray] = []  # per step [frames, L, 2, D] float32
-        self._tails = np.zeros((steps, 2, self.channels, _TAIL), np.float32)  # [steps, 2, C, 2]
+        tail = cache_tail(config)
+        self._tails = np.zeros((steps, 2, self.channels, tail), np.float32)  # [steps, 2, C, K-1]
         self._mel = np.zeros((1, 80, 0), np.float32)  # [1, 80, frames] finished mel
 
     @property
@@ -115,7 +135,7 @@ class FlowCache:
         self.frames = 0
 
     def past(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(past_blocks [P, L, 2, D], past_tails [2, C, 2])`` of Euler step ``step``."""
+        """``(past_blocks [P, L, 2, D], past_tails [2, C, K-1])`` of Euler step ``step``."""
         if len(self._blocks) <= step:  # the segment's first chunk
             return np.zeros((0, self.blocks, 2, self.width), np.float32), self._tails[step]
         return self._blocks[step], self._tails[step]

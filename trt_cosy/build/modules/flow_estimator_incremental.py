@@ -35,7 +35,7 @@ from .flow_estimator import (
     sinusoidal_embedding,
 )
 
-__all__ = ["IncrementalEstimatorGraph", "incremental_cache_layout"]
+__all__ = ["IncrementalEstimatorGraph", "incremental_cache_layout", "chunk_attention_bias"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -174,10 +174,16 @@ class _Run:
         return h + block.ff(block.norm3(h))  # [2, T, D]
 
     def _bias(self, past: int, new: int) -> torch.Tensor:
-        """Chunk attention of new frame i (absolute P + i, P a chunk multiple): keys < P + (i // c + 1)·c."""
-        chunk = self.graph.chunk
-        query = torch.arange(new)  # [T]
-        limit = past + (torch.div(query, chunk, rounding_mode="floor") + 1) * chunk  # [T]
-        keys = torch.arange(past + new)  # [P + T]
-        allowed = keys.unsqueeze(0) < limit.unsqueeze(1)  # [T, P + T]
-        return ((1.0 - allowed.to(torch.float32)) * _MASK_BIAS)[None, None]  # [1, 1, T, P + T]
+        return chunk_attention_bias(past, new, self.graph.chunk)
+
+
+def chunk_attention_bias(past: int, new: int, chunk: int) -> torch.Tensor:
+    """Chunk attention of new frame i (absolute P + i, P a chunk multiple): keys < P + (i // c + 1)·c.
+
+    Additive bias [1, 1, T, P + T] (0 or the estimators' mask bias); also the CosyVoice3 DiT's.
+    """
+    query = torch.arange(new)  # [T]
+    limit = past + (torch.div(query, chunk, rounding_mode="floor") + 1) * chunk  # [T]
+    keys = torch.arange(past + new)  # [P + T]
+    allowed = keys.unsqueeze(0) < limit.unsqueeze(1)  # [T, P + T]
+    return ((1.0 - allowed.to(torch.float32)) * _MASK_BIAS)[None, None]  # [1, 1, T, P + T]

@@ -10,6 +10,9 @@ looks runners up by name (``FlowStage``, verify) works for both families.
   fixed ``sine_waves`` buffer prefix (uniform [0, 1) values); the streaming graph (``finalize=False``)
   treats its last 3 mel frames as f0 look-ahead and the 4 before them as ``conv_pre`` look-ahead,
   so its outputs are shorter than its input: f0 F-3 frames, wav 480·(F-8) samples.
+* ``FLOW_ESTIMATOR_INCREMENTAL_V3`` (optional, ONNX Runtime engines): the DiT over new streaming
+  frames only, ``graphs.FLOW_ESTIMATOR_INCREMENTAL``'s I/O with 30-frame convolution tails (the
+  causal conv position embedding's ``kernel - 1``; ``build.models.v3.dit_incremental``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from typing import Final
 
 from ...runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, LLM, GraphSpec, TensorSpec
 
-__all__ = ["FLOW_ENCODER_V3", "HIFT_V3", "HIFT_V3_STREAM", "GRAPHS_V3", "HIFT_STREAM_MIN_FRAMES"]
+__all__ = [
+    "FLOW_ENCODER_V3",
+    "FLOW_ESTIMATOR_INCREMENTAL_V3",
+    "HIFT_V3",
+    "HIFT_V3_STREAM",
+    "GRAPHS_V3",
+    "HIFT_STREAM_MIN_FRAMES",
+]
 
 # Token embedding + PreLookaheadLayer + repeat ×2 (mu) and the speaker affine layer.
 FLOW_ENCODER_V3: Final = GraphSpec(
@@ -32,6 +42,26 @@ FLOW_ENCODER_V3: Final = GraphSpec(
     outputs=(
         TensorSpec("mu", "float32", (1, 80, "2N")),
         TensorSpec("spks", "float32", (1, 80)),
+    ),
+)
+
+# One chunk-attention Euler step on the T new frames; P completed frames (a multiple of 50) as
+# per-block modulated attention inputs (L = depth, D = dim) and the conv position embedding's tails.
+FLOW_ESTIMATOR_INCREMENTAL_V3: Final = GraphSpec(
+    "flow_estimator_incremental",
+    inputs=(
+        TensorSpec("x", "float32", (2, 80, "T")),
+        TensorSpec("mu", "float32", (2, 80, "T")),
+        TensorSpec("t", "float32", (2,)),
+        TensorSpec("spks", "float32", (2, 80)),
+        TensorSpec("cond", "float32", (2, 80, "T")),
+        TensorSpec("past_blocks", "float32", ("P", "L", 2, "D")),
+        TensorSpec("past_tails", "float32", (2, "2D", 30)),
+    ),
+    outputs=(
+        TensorSpec("estimator_out", "float32", (2, 80, "T")),
+        TensorSpec("new_blocks", "float32", ("T", "L", 2, "D")),
+        TensorSpec("new_tails", "float32", (2, "2D", 30)),
     ),
 )
 

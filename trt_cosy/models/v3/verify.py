@@ -84,6 +84,7 @@ def run_flow_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) 
         runners[graphs_v3.FLOW_ESTIMATOR_STREAM.name],
         np.asarray(noise, dtype=np.float32),
         model.config.flow,
+        incremental_runner=runners.get(graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3.name),
     )
     vocoder = _vocoder(model, golden)
     ratio = model.config.token_mel_ratio
@@ -93,6 +94,7 @@ def run_flow_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) 
         prompt_tokens = golden["in_prompt_speech_token"][:, :n_prompt].astype(np.int64)  # [1, P]
         prompt_feat = golden["in_prompt_feat"][:, : int(scenario["prompt_feat_frames"])]  # [1, 2P, 80]
         cache, pieces = V3VocoderCache(), []
+        flow_cache = flow.new_cache()  # incremental chunks where the engines have the graph, as a request
         for index, chunk in enumerate(scenario["chunks"]):
             prefix = f"{name}_c{index}_"
             output = flow.token2mel(
@@ -102,6 +104,7 @@ def run_flow_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) 
                 golden["in_spk_embedding"],
                 streaming=bool(chunk["flow_streaming"]),
                 finalize=bool(chunk["flow_finalize"]),
+                cache=flow_cache,
             )
             mu = output.mu.transpose(0, 2, 1)  # [1, T, 80] as the golden stores it
             ours[prefix + "flow_h"] = mu[:, ::ratio]  # mu is h repeated token_mel_ratio times
