@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +34,22 @@ from trt_cosy.runtime import cuda, graphs
 from trt_cosy.runtime.cuda import gpu_unavailable_reason
 from trt_cosy.runtime.profiles import GraphProfiles, ProfileLimits, incremental_frames, incremental_profiles
 from trt_cosy.stages.flow import FlowStage
-from trt_cosy.stages.flow_incremental import DEFAULT_LIMIT_BYTES, FlowCache, cache_layout
+from trt_cosy.stages.flow_incremental import (
+    DEFAULT_LIMIT_BYTES,
+    FlowCache,
+    cache_layout,
+    incremental_frame_limit,
+)
 from trt_cosy.streaming import FAST_SCHEDULE, OFFICIAL_SCHEDULE, hop_schedule
 
 NAME = graphs.FLOW_ESTIMATOR_INCREMENTAL.name
 FP32_MEL_TOLERANCE = 5e-5  # as tests/test_flow_incremental.py: the same float32 maths in another order
-# fp16: the estimator graphs differ from fp32 by ~1e-3 per call (tensorrt.json); incremental and
-# recomputed fp16 chunks round differently (other shapes), measured 4e-3 on the golden tiny set.
-FP16_MEL_TOLERANCE = 2e-2
+# fp16 (ONNX Runtime): incremental and recomputed fp16 chunks round differently (other shapes):
+# measured 2.5e-3 on the golden tiny set, where fp16 recomputation itself is 5.2e-3 from fp32.
+FP16_MEL_TOLERANCE = 1e-2
+# TensorRT's fp16 kernels against the same graph on ONNX Runtime (which computes most fp16 ops in
+# fp32): not measured yet (no TensorRT GPU); twice the CPU budget.
+GPU_FP16_MEL_TOLERANCE = 2e-2
 _NO_GPU = gpu_unavailable_reason()
 
 
@@ -65,6 +74,7 @@ def test_profile_limits_follow_the_flow_cache_limit(config):
     assert per_frame == 10 * 56 * 2 * 256 * 4  # 1.09 MiB per frame
     assert incremental_frames(full) == DEFAULT_LIMIT_BYTES // per_frame == 1872  # 2 GiB
     assert incremental_frames(config) == 3000  # tiny: the 1500-token (60 s) maximum binds first
+    assert incremental_frame_limit(object(), 50) is None  # ONNX Runtime runners: no shape bound
     shapes = {p.name: p.shapes for p in incremental_profiles(full).profiles}
     assert shapes["chunk"]["x"] == ((2, 80, 1), (2, 80, 200), (2, 80, 200))  # a 100-token hop
     assert shapes["chunk"]["past_blocks"] == ((0, 56, 2, 256), (500, 56, 2, 256), (1850, 56, 2, 256))
@@ -199,7 +209,10 @@ def test_a_call_beyond_the_profiles_is_refused_by_the_profiles_not_run(config):
 
 @pytest.fixture(scope="module")
 def trt_tiny(tmp_path_factory, v2_tiny_dir) -> Path:
-    """``trt-cosy build --backend tensorrt --onnx-only`` of the golden tiny CosyVoice2 (fp16)."""
+    """``trt-cosy build --backend tensorrt --onnx-only`` of the golden tiny CosyVoice2 (fp16), or the
+    golden TensorRT engines ``scripts/gpu_check.sh`` built already (``TRT_COSY_TRT_ENGINES``)."""
+    if os.environ.get("TRT_COSY_TRT_ENGINES"):
+        return Path(os.environ["TRT_COSY_TRT_ENGINES"])
     pytest.importorskip("torch", reason="building engines needs the [build] extra")
     from trt_cosy.build.engines import build_engines
 
@@ -285,6 +298,12 @@ def test_the_tensorrt_graphs_on_onnxruntime_equal_recomputation(trt_tiny, config
     assert sum(not plan.final for plan in plans) >= 4 and cache.disabled is None
     assert worst <= (FP16_MEL_TOLERANCE if precision == "fp16" else FP32_MEL_TOLERANCE), worst
     print(f"{precision}: incremental vs recomputed mel, worst chunk {worst:.2e}")
+    if precision == "fp16":  # the incremental graph adds no error of its own to fp16's
+        fp32 = _stage(trt_tiny, config, "fp32", None)
+        ours, _, _ = _segment(flow, fp32, prompt, tokens)
+        theirs, _, _ = _segment(reference, fp32, prompt, tokens)
+        print(f"against fp32 recomputation: fp16 incremental {ours:.2e}, fp16 recomputed {theirs:.2e}")
+        assert ours <= 1.5 * theirs, (ours, theirs)
 
 
 # ----------------------------------------------------------------------------- TrtRunner over a fake engine
@@ -353,7 +372,7 @@ def test_a_trt_runner_binds_the_cache_tensors_and_matches_onnxruntime(trt_tiny, 
     steps = config.flow.cfm.n_timesteps
     # Chunk 1: 300 frames at P = 0 (`long`); chunk 2: 100 new at P = 300 (`chunk`); chunk 3 (500) recomputes.
     assert sorted({shape[0] for shape in shapes}) == [0, 300]
-    assert profiles == [0, 1, 0]  # the probe-free slot starts on 0; `long` (index 1), then `chunk`
+    assert profiles == [1, 0]  # `long` (index 1), then `chunk`
     bound = {call[1] for call in context.calls if call[0] == "address"}
     assert {"past_blocks", "past_tails", "new_blocks", "new_tails"} <= bound
     executes = [call for call in context.calls if call[0] == "execute"]
@@ -363,36 +382,64 @@ def test_a_trt_runner_binds_the_cache_tensors_and_matches_onnxruntime(trt_tiny, 
 # ----------------------------------------------------------------------------- on a GPU with TensorRT
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(_NO_GPU is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_NO_GPU}")
-def test_incremental_plan_streams_like_recomputation_on_gpu(trt_tiny, config, v2_tiny_dir, tmp_path):
-    """Plans of the encoder, the chunk-attention estimator and the incremental estimator (fp16):
-    the official schedule's chunks through FlowStage with the incremental plan against recomputation
-    through the stream plan, and the incremental plan against the same fp16 graph on ONNX Runtime."""
+def _gpu_runners(engines: Path, tmp_path: Path) -> dict:
+    """TrtRunners of the encoder, both estimators and the incremental estimator: the plans the engines
+    directory has (``trt-cosy build --backend tensorrt``), else plans built here from its fp16 graphs."""
     from trt_cosy.build.tensorrt import build_plan
     from trt_cosy.runtime.profiles import read_profiles
     from trt_cosy.runtime.trt import TrtRunner
 
-    profiles = read_profiles(trt_tiny / "profiles.json")
+    profiles = read_profiles(engines / "profiles.json")
     runners = {}
     for name in (graphs.FLOW_ENCODER.name, graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name, NAME):
-        plan = build_plan(trt_tiny / f"{name}.fp16.onnx", tmp_path / f"{name}.plan", profiles[name],
-                          tmp_path / "timing.cache")  # fmt: skip
+        plan = engines / "plans" / f"{name}.plan"
+        if not plan.is_file():
+            plan = build_plan(engines / f"{name}.fp16.onnx", tmp_path / f"{name}.plan", profiles[name],
+                              tmp_path / "timing.cache")  # fmt: skip
         runners[name] = TrtRunner.from_plan(plan, name, profiles[name])
+    return runners
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_NO_GPU}")
+def test_incremental_plan_streams_like_recomputation_on_gpu(trt_tiny, tmp_path):
+    """The official schedule's chunks (a 60-token prompt, 400 tokens: 16 s of speech) through FlowStage
+    with the incremental plan against recomputation through the stream plan and against the same fp16
+    graph on ONNX Runtime; prints the warm time per segment of both (any engines directory of
+    CosyVoice2 TensorRT engines: ``TRT_COSY_TRT_ENGINES``, e.g. the full-size ones)."""
+    import time
+
+    from trt_cosy.runtime.engines import MODEL_CONFIG_NAME
+    from trt_cosy.runtime.manifest import model_config_from_dict
+
+    config = model_config_from_dict(json.loads((trt_tiny / MODEL_CONFIG_NAME).read_text()))
+    runners = _gpu_runners(trt_tiny, tmp_path)
     noise = np.load(trt_tiny / "flow_noise.npy")
     names = (graphs.FLOW_ENCODER.name, graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name)
     flow = FlowStage(*(runners[n] for n in names), noise, config.flow, incremental_runner=runners[NAME],
                      voice_slots=1)  # fmt: skip
     reference = FlowStage(*(runners[n] for n in names), noise, config.flow)
     on_ort = _stage(trt_tiny, config, "fp16", _ort(trt_tiny, f"{NAME}.fp16.onnx", NAME), voice_slots=1)
-    tokens = np.random.default_rng(0).integers(0, config.flow.vocab_size, (1, 330))
+    tokens = np.random.default_rng(0).integers(0, config.flow.vocab_size, (1, 400))
     prompt = _prompt()
-    worst, cache, _ = _segment(flow, reference, prompt, tokens)
+    worst, cache, plans = _segment(flow, reference, prompt, tokens)
     print(f"TensorRT fp16: incremental vs recomputed mel, worst chunk {worst:.2e}")
-    assert worst <= FP16_MEL_TOLERANCE and cache.disabled is None
+    assert worst <= GPU_FP16_MEL_TOLERANCE and cache.disabled is None
     worst_ort, _, _ = _segment(flow, on_ort, prompt, tokens)
     print(f"TensorRT fp16 incremental vs ONNX Runtime fp16 incremental: worst chunk {worst_ort:.2e}")
-    assert worst_ort <= FP16_MEL_TOLERANCE
+    assert worst_ort <= GPU_FP16_MEL_TOLERANCE
+    timings = {}
+    for label, stage in (("incremental", flow), ("recomputed", reference)):
+        runs = []
+        for _ in range(3):  # warm: the voice prefix is cached after the first segment
+            cache, start = stage.new_cache(), time.perf_counter()
+            for plan in plans:
+                args = (tokens[:, : plan.end], *prompt)
+                stage.token2mel(*args, streaming=plan.streaming, finalize=plan.final, cache=cache)
+            runs.append(time.perf_counter() - start)
+        timings[label] = 1e3 * sorted(runs)[1] / len(plans)
+    print(f"ms per chunk ({len(plans)} chunks, median of 3 segments): incremental {timings['incremental']:.1f}, "
+          f"recomputed {timings['recomputed']:.1f}")  # fmt: skip
     print(f"device memory per context (incremental plan): {runners[NAME].device_memory()}")
     for runner in runners.values():
         runner.free()
