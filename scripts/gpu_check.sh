@@ -21,6 +21,7 @@ LOGS="$WORK/logs"
 mkdir -p "$LOGS"
 RESULTS=()
 DECODE_FAILED=0
+INCREMENTAL_FAILED=0
 
 step() {  # step NAME COMMAND...: run, log to $LOGS/NAME.log, say how long it took; show the log tail on failure
     local name=$1
@@ -75,6 +76,13 @@ sed 's/^/    /' "$LOGS/golden-verify-trt.log"
 step golden-llm-decode-batch python bench/trt_llm_decode.py "$WORK/golden/trt" --json "$WORK/golden/llm_decode.json" \
     || DECODE_FAILED=1
 sed 's/^/    /' "$LOGS/golden-llm-decode-batch.log"
+# 2c. Incremental streaming flow (issue 15 item 6): plans of the encoder, both estimators and the incremental
+#     estimator (fp16, from the golden build above); the official schedule's chunks through FlowStage with the
+#     incremental plan against recomputation through the stream plan and against ONNX Runtime (fp16 budget).
+#     verify above already ran its stream_*/streampad_* rows through the incremental plan.
+step golden-incremental-flow env TRT_COSY_TRT_ENGINES="$WORK/golden/trt" \
+    python -m pytest -q -rs -s -p no:cacheprovider tests/test_trt_flow_incremental.py -m gpu || INCREMENTAL_FAILED=1
+grep -h "worst chunk\|ms per chunk\|device memory per context" "$LOGS/golden-incremental-flow.log" | sed 's/^/    /' || true
 
 # 3. Per size: random-weight release, ORT and TensorRT engines, graph-level timing.
 for size in $SIZES; do
@@ -89,6 +97,10 @@ for size in $SIZES; do
     step "$size-llm-decode-batch" python bench/trt_llm_decode.py "$WORK/$size/trt" --json "$WORK/$size/llm_decode.json" \
         || DECODE_FAILED=1
     sed 's/^/    /' "$LOGS/$size-llm-decode-batch.log"
+    # The incremental streaming flow at this size: mel against recomputation, ms per chunk of both.
+    step "$size-incremental-flow" env TRT_COSY_TRT_ENGINES="$WORK/$size/trt" \
+        python -m pytest -q -rs -s -p no:cacheprovider tests/test_trt_flow_incremental.py -m gpu || INCREMENTAL_FAILED=1
+    grep -h "worst chunk\|ms per chunk\|device memory per context" "$LOGS/$size-incremental-flow.log" | sed 's/^/    /' || true
     RESULTS+=("$size")
 done
 
@@ -120,7 +132,12 @@ for size in sizes:
               f"{row['tokens_per_s']:>9.0f} {row['rows_equal_to_batch_1']:>7}/{row['batch']}")
 PY
 echo "== done; logs in $LOGS"
+if [ "$INCREMENTAL_FAILED" != 0 ]; then
+    echo "incremental streaming flow check failed (see the *-incremental-flow logs)"
+fi
 if [ "$DECODE_FAILED" != 0 ]; then
     echo "batched decode check failed (see the *-llm-decode-batch logs)"
+fi
+if [ "$DECODE_FAILED" != 0 ] || [ "$INCREMENTAL_FAILED" != 0 ]; then
     exit 1
 fi

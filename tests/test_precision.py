@@ -171,6 +171,7 @@ BOUNDS = {
     "flow_encoder": 3e-3,
     "flow_estimator": 6e-3,
     "flow_estimator_stream": 6e-3,
+    "flow_estimator_incremental": 6e-3,  # the estimator's weights and islands (TensorRT, issue 15 item 6)
     "hift": 1e-3,
 }
 

@@ -64,6 +64,10 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_manifest(tiny_release: Path, 
     decode = profiles["llm_decode"]["profiles"]
     assert [p["name"] for p in decode] == ["decode_512", "decode_2048", "decode_4096"]
     assert all(p["shapes"]["past_lengths"] == [[1], [4], [8]] for p in decode)
+    # the incremental streaming estimator (issue 15 item 6): fp16 graph, T/P profiles, manifest record
+    assert "flow_estimator_incremental.fp16.onnx" in manifest["files"] and "flow_estimator_incremental" in manifest["graphs"]
+    assert [p["name"] for p in profiles["flow_estimator_incremental"]["profiles"]] == ["chunk", "long"]
+    assert summary["graphs"]["flow_estimator_incremental"]["onnx"] == "flow_estimator_incremental.fp16.onnx"
     assert not (out / "plans").exists()
     # rerun is a manifest-match skip
     again = CliRunner().invoke(main, ["build", "--model-dir", str(tiny_release), "--out", str(out),

@@ -232,6 +232,11 @@ def _write_engines(
         from .trt_llm_decode import export_llm_decode
 
         results[LLM_DECODE_NAME] = export_llm_decode(model.runners["llm"].module, model.config, staging, emit)
+    if backend == "tensorrt":  # streaming chunks over new frames only, plain ONNX (CosyVoice2; None otherwise)
+        from .trt_flow_incremental import INCREMENTAL_NAME, export_trt_incremental
+
+        if (trt_incremental := export_trt_incremental(model, staging, emit)) is not None:
+            results[INCREMENTAL_NAME] = trt_incremental
     config = model.config
     del model  # the torch weights (2+ GB at full size) are not needed past this point
     gc.collect()

@@ -34,6 +34,7 @@ from ..runtime import graphs
 from ..runtime.graphs import GraphSpec
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest
 from ..runtime.model import LoadedModel
+from ..stages.flow_incremental import cache_layout
 from .export import ExportResult, GraphPlan, export_graph, graph_record
 from .modules.flow_estimator import CausalConditionalDecoder
 from .modules.flow_estimator_incremental import IncrementalEstimatorGraph, incremental_cache_layout
@@ -66,13 +67,21 @@ def _estimator(model: LoadedModel) -> CausalConditionalDecoder | None:
 
 
 def incremental_export_plan(
-    config: ModelConfig, estimator: CausalConditionalDecoder, seed: int = 0
+    config: ModelConfig, estimator: CausalConditionalDecoder | None = None, seed: int = 0
 ) -> GraphPlan:
-    """Sample and parity feeds (P = 0 and a single new frame included) and the dynamic dims."""
+    """Sample and parity feeds (P = 0 and a single new frame included) and the dynamic dims.
+
+    Without ``estimator`` the cache layout comes from ``config`` (``stages.flow_incremental.cache_layout``,
+    tested equal): the TensorRT fp16 pass calibrates on these feeds without the torch model.
+    """
     rng = np.random.default_rng(seed)
     mels = config.flow.output_size
-    blocks, width, channels = incremental_cache_layout(estimator)
-    chunk = estimator.config.static_chunk_size
+    if estimator is None:
+        blocks, width, channels = cache_layout(config.flow.estimator)
+        chunk = config.flow.estimator.static_chunk_size
+    else:
+        blocks, width, channels = incremental_cache_layout(estimator)
+        chunk = estimator.config.static_chunk_size
 
     def feed(new: int, past: int) -> dict[str, np.ndarray]:
         return {

@@ -93,6 +93,7 @@ GRAPH_POLICIES: Final = {
     "flow_encoder": PrecisionPolicy(modules=_NORMS),
     "flow_estimator": PrecisionPolicy(modules=_NORMS),
     "flow_estimator_stream": PrecisionPolicy(modules=_NORMS),
+    "flow_estimator_incremental": PrecisionPolicy(modules=_NORMS),  # the estimator's weights and islands
     "hift": PrecisionPolicy(modules=_NORMS | _STFT | {"F0Predictor", "SourceModule"}),
 }
 """CosyVoice2 (``graphs.GRAPHS``)."""

@@ -32,6 +32,7 @@ from ..config import ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..models.registry import family_named
 from ..models.v1.config import V1ModelConfig
+from ..runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL
 from ..runtime.llm_decode import LLM_DECODE_NAME
 from ..runtime.manifest import file_sha256
 from ..runtime.profiles import (
@@ -39,6 +40,7 @@ from ..runtime.profiles import (
     GraphProfiles,
     ProfileLimits,
     default_profiles,
+    incremental_profiles,
     llm_decode_profiles,
     read_profiles,
     trt_graph_specs,
@@ -74,6 +76,7 @@ TRT_PRECISIONS: Final = ("fp16", "fp32")
 TRT_FAMILIES: Final = frozenset({"v1", "v2", "v3"})
 TRT_SUMMARY_NAME: Final = "tensorrt.json"
 TIMING_CACHE_NAME: Final = "timing.cache"
+INCREMENTAL_NAME: Final = FLOW_ESTIMATOR_INCREMENTAL.name  # optional, as llm_decode (exported for v2)
 
 Progress = Callable[[str], None]
 
@@ -113,6 +116,9 @@ def prepare_trt_graphs(
     if (engines_dir / f"{LLM_DECODE_NAME}.onnx").is_file():  # exported for the Qwen2 families
         profiles[LLM_DECODE_NAME] = llm_decode_profiles(config, limits)  # type: ignore[arg-type]
         names.append(LLM_DECODE_NAME)
+    if (engines_dir / f"{INCREMENTAL_NAME}.onnx").is_file():  # CosyVoice2: streaming chunks, new frames only
+        profiles[INCREMENTAL_NAME] = incremental_profiles(config, limits)  # type: ignore[arg-type]
+        names.append(INCREMENTAL_NAME)
     write_profiles(profiles, engines_dir / PROFILES_NAME)
     graphs: dict[str, Any] = {}
     for name in names:
@@ -140,6 +146,11 @@ def _export_feeds(name: str, config: ModelConfig | V1ModelConfig) -> list[dict[s
         from .trt_llm_decode import llm_decode_plan
 
         plan = llm_decode_plan(config)  # type: ignore[arg-type]
+        return [plan.sample, *plan.parity]
+    if name == INCREMENTAL_NAME:
+        from .flow_incremental import incremental_export_plan
+
+        plan = incremental_export_plan(config)  # type: ignore[arg-type]
         return [plan.sample, *plan.parity]
     plan = build_family_of(config).export_plan(config, name)
     return [plan.sample, *plan.parity]

@@ -198,7 +198,8 @@ def _check_trt_graphs(engines_dir: Path, family: str) -> None:
     from .llm_decode import LLM_DECODE_NAME
     from .profiles import PROFILES_NAME, read_profiles, trt_graph_specs
 
-    named = set(read_profiles(engines_dir / PROFILES_NAME)) - {LLM_DECODE_NAME}  # optional: batched decode
+    optional = {LLM_DECODE_NAME, graphs.FLOW_ESTIMATOR_INCREMENTAL.name}  # batched decode, incremental flow
+    named = set(read_profiles(engines_dir / PROFILES_NAME)) - optional
     expected = set(trt_graph_specs(family))  # the exported graphs plus the flow step graphs (v2/v3)
     if named != expected:
         raise EngineMismatchError(

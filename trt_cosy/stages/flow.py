@@ -28,6 +28,7 @@ from .flow_incremental import (
     DEFAULT_VOICE_SLOTS,
     FlowCache,
     VoicePrefixes,
+    incremental_frame_limit,
     solve_euler_incremental,
 )
 
@@ -168,6 +169,10 @@ class FlowStage:
         self.step_loops = dict(step_loops or {})
         self.incremental_runner = incremental_runner
         self.cache_limit_bytes = cache_limit_bytes
+        # TensorRT plans: the segment's cache stops where the plan's profiles end (recomputation after)
+        self.cache_max_frames = incremental_frame_limit(
+            incremental_runner, config.estimator.static_chunk_size
+        )
         self.encoder_runner = encoder_runner
         self.estimator_runner = estimator_runner
         self.estimator_stream_runner = estimator_stream_runner
@@ -179,7 +184,13 @@ class FlowStage:
         chunks then recompute from the start, as the official code does)."""
         if self.incremental_runner is None:
             return None
-        return FlowCache(self.config.estimator, self.config.cfm.n_timesteps, self.cache_limit_bytes)
+        return self._flow_cache()
+
+    def _flow_cache(self) -> FlowCache:
+        cfm = self.config.cfm
+        return FlowCache(
+            self.config.estimator, cfm.n_timesteps, self.cache_limit_bytes, self.cache_max_frames
+        )
 
     def _load_prefix(
         self, cache: FlowCache, prompt_tokens: np.ndarray, prompt_feat: np.ndarray, embedding: np.ndarray
@@ -200,7 +211,7 @@ class FlowStage:
             tokens = prompt_tokens[:, : chunks * chunk_tokens + lookahead]  # [1, n + L]
             mu, spks = self._encode(tokens, embedding, streaming=True, finalize=False)  # mu: [1, 80, 2n]
             frames = mu.shape[2]
-            prefix = FlowCache(self.config.estimator, self.config.cfm.n_timesteps, self.cache_limit_bytes)
+            prefix = self._flow_cache()
             if not prefix.usable_for(frames):
                 return
             cond = np.zeros_like(mu)  # [1, 80, 2n]

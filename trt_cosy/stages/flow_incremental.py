@@ -36,6 +36,7 @@ import numpy as np
 from ..config import EstimatorConfig
 from ..models.v3.config import DiTConfig
 from ..runtime.base import Runner
+from ..runtime.profiles import GraphProfiles
 
 __all__ = [
     "DEFAULT_LIMIT_BYTES",
@@ -44,6 +45,7 @@ __all__ = [
     "VoicePrefixes",
     "cache_layout",
     "cache_tail",
+    "incremental_frame_limit",
     "solve_euler_incremental",
 ]
 
@@ -80,11 +82,19 @@ class FlowCache:
         config: the estimator configuration (cache layout). steps: Euler steps (10).
         limit_bytes: the most this cache may hold; a chunk that would pass it drops the cache and the
             segment recomputes from then on.
+        max_frames: the most frames (cached + new) a call may cover, where the graph's shapes are
+            bounded (TensorRT profiles: ``FlowStage`` passes ``incremental_frame_limit``); past it the
+            segment recomputes as past ``limit_bytes``. None: no bound.
     """
 
     def __init__(
-        self, config: EstimatorConfig | DiTConfig, steps: int, limit_bytes: int = DEFAULT_LIMIT_BYTES
+        self,
+        config: EstimatorConfig | DiTConfig,
+        steps: int,
+        limit_bytes: int = DEFAULT_LIMIT_BYTES,
+        max_frames: int | None = None,
     ):
+        self.max_frames = max_frames
         self.blocks, self.width, self.channels = cache_layout(config)
         self.chunk = config.static_chunk_size
         self.steps = steps
@@ -118,6 +128,11 @@ class FlowCache:
             self.disable(
                 f"{frames} frames would need {frames * self.bytes_per_frame / 2**20:.0f} MiB, above the "
                 f"{self.limit_bytes / 2**20:.0f} MiB limit"
+            )
+            return False
+        if self.max_frames is not None and frames > self.max_frames:
+            self.disable(
+                f"{frames} frames are beyond the incremental graph's {self.max_frames}-frame profiles"
             )
             return False
         return True
@@ -215,6 +230,22 @@ class VoicePrefixes:
     def nbytes(self) -> int:
         with self._lock:
             return sum(entry.nbytes for entry in self._entries.values())
+
+
+def incremental_frame_limit(runner: Runner | None, chunk: int) -> int | None:
+    """The most frames (cached + new) every call of ``runner`` may cover, from its TensorRT profiles
+    (``runtime.profiles.incremental_profiles``): for each profile taking P = 0 and T = 1, the frames F
+    with T = F - P and P (a multiple of ``chunk`` below F) both inside it; the best of them. None for a
+    runner without profiles (ONNX Runtime: any shape)."""
+    profiles = getattr(runner, "profiles", None)
+    if not isinstance(profiles, GraphProfiles):
+        return None
+    best = 0
+    for profile in profiles.profiles:
+        (low_x, _, high_x), (low_p, _, high_p) = profile.shapes["x"], profile.shapes["past_blocks"]
+        if low_x[2] <= 1 and low_p[0] == 0:
+            best = max(best, min(high_x[2], high_p[0] // chunk * chunk + chunk))
+    return best
 
 
 def solve_euler_incremental(
