@@ -2,8 +2,9 @@
 ``graphs.FLOW_ESTIMATOR_INCREMENTAL``) for the ONNX Runtime engines of CosyVoice2.
 
 Exported beside the other graphs by ``trt-cosy build`` (onnxruntime backend, CosyVoice2 only),
-checked against torch like every graph, then given the estimators' treatment: Mish and GELU
-rewritten for ONNX Runtime (proven equal) and, for the int8/int4 precisions, dynamic int8 MatMuls.
+checked against torch like every graph, then given the estimators' treatment: attention fused into
+``MultiHeadAttention`` with the chunk mask as its bias, Mish and GELU rewritten for ONNX Runtime
+(``ort_passes.INCREMENTAL_REWRITES``, proven equal) and, for the int8/int4 precisions, dynamic int8 MatMuls.
 ``add_incremental_estimator`` adds it to engines built before it existed. Engines without it still
 load: their streaming chunks recompute the flow from the start (``stages.flow``).
 
@@ -34,7 +35,7 @@ from .export import ExportResult, GraphPlan, export_graph, graph_record
 from .modules.flow_estimator import CausalConditionalDecoder
 from .modules.flow_estimator_incremental import IncrementalEstimatorGraph, incremental_cache_layout
 from .onnx_files import save_onnx
-from .ort_passes import GraphRewrites, check_equivalent, rewrite_model
+from .ort_passes import INCREMENTAL_REWRITES, check_equivalent, rewrite_model
 from .quantize import quantize_matmul_int8
 
 __all__ = [
@@ -123,9 +124,10 @@ def write_incremental_estimator(
 
 
 def _rewrite(path: Path, feeds: list[dict[str, np.ndarray]], progress: Progress | None) -> None:
-    """Mish and GELU in ONNX Runtime's faster forms, proven equal on the export feeds."""
+    """Attention fused (chunk mask kept as its bias), Mish and GELU in ONNX Runtime's faster forms,
+    proven equal on the export feeds."""
     model = onnx.load(str(path))
-    counts = rewrite_model(model, GraphRewrites())
+    counts = rewrite_model(model, INCREMENTAL_REWRITES)
     if not counts.total():
         return
     with tempfile.TemporaryDirectory(prefix=".rewrite-", dir=path.parent) as scratch:
