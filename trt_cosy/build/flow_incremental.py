@@ -2,9 +2,8 @@
 ``graphs.FLOW_ESTIMATOR_INCREMENTAL``) for the ONNX Runtime engines of CosyVoice2.
 
 Exported beside the other graphs by ``trt-cosy build`` (onnxruntime backend, CosyVoice2 only),
-checked against torch like every graph, then given the estimators' treatment: attention fused into
-``MultiHeadAttention`` with the chunk mask as its bias, Mish and GELU rewritten for ONNX Runtime
-(``ort_passes.INCREMENTAL_REWRITES``, proven equal) and, for the int8/int4 precisions, dynamic int8 MatMuls.
+checked against torch like every graph, then given the estimators' treatment: Mish and GELU
+rewritten for ONNX Runtime (proven equal) and, for the int8/int4 precisions, dynamic int8 MatMuls.
 ``add_incremental_estimator`` adds it to engines built before it existed. Engines without it still
 load: their streaming chunks recompute the flow from the start (``stages.flow``).
 
