@@ -11,12 +11,15 @@ the machine's load affects each alike): ``none`` (one full-attention call, what
 ``stream=False`` does), ``official`` (trt_cosy.streaming.HopSchedule: hops 25 + pad, 50, 100, ...,
 then a full-attention call) and ``fast`` (hops doubling without the cap, chunk attention to the
 end). Printed per schedule: medians of the total seconds, the ratio to ``none``, the first chunk's
-seconds (flow + vocoder, no LLM), the number of calls, and the mel difference to ``official``
-(max and mean absolute, natural-log mel) of the frames the schedule emits; then the peak RSS.
+seconds (flow + vocoder, no LLM), the number of calls, and the mel difference to ``official`` (to
+the first mode where ``--modes`` leaves it out; max and mean absolute, natural-log mel) of the
+frames the schedule emits; then the peak RSS.
 
 Engines with ``flow_estimator_incremental.onnx`` also run ``official+inc`` and ``fast+inc``: the same
 schedules with the incremental flow (``trt_cosy.stages.flow_incremental``: each chunk computes its
-new frames only), and print the largest flow cache the segment held.
+new frames only), and print the largest flow cache the segment held. ``--incremental-b GRAPH``
+adds ``official+inc-b`` and ``fast+inc-b``: the same with another build of that graph (e.g. before
+and after a graph rewrite), alternating in the same process.
 
 CosyVoice2 and CosyVoice3 engines (v3: its vocoder re-renders the whole mel so far at every chunk,
 as the official ``CosyVoice3Model.token2wav`` does).
@@ -35,12 +38,14 @@ import numpy as np
 
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.engines import load_engines
+from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.stages.flow import FlowStage
 from trt_cosy.stages.vocoder import VocoderCache, VocoderStage
 from trt_cosy.streaming import FAST_SCHEDULE, OFFICIAL_SCHEDULE, ChunkPlan, hop_schedule
 
 SCHEDULES = ("none", OFFICIAL_SCHEDULE, FAST_SCHEDULE)
 INCREMENTAL = "+inc"  # suffix of the modes that run a schedule with the incremental flow
+INCREMENTAL_B = "+inc-b"  # the same with the graph of --incremental-b
 
 
 def _plans(schedule: str, prompt: int, total: int, chunk: int, lookahead: int) -> list[ChunkPlan]:
@@ -107,6 +112,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--modes", default=None, help="Comma-separated subset of the modes (default: all).")
+    parser.add_argument(
+        "--incremental-b",
+        type=Path,
+        default=None,
+        help="Another flow_estimator_incremental.onnx, run as the modes official+inc-b and fast+inc-b.",
+    )
     args = parser.parse_args()
 
     model = load_engines(args.engines, threads=args.threads)
@@ -141,27 +152,38 @@ def main() -> None:
     if flow.incremental_runner is not None:
         modes += [OFFICIAL_SCHEDULE + INCREMENTAL, FAST_SCHEDULE + INCREMENTAL]
         plans |= {name + INCREMENTAL: plans[name] for name in (OFFICIAL_SCHEDULE, FAST_SCHEDULE)}
-    if args.modes is not None:  # the mel differences need the official schedule among them
-        modes = [name for name in modes if name in args.modes.split(",") or name == OFFICIAL_SCHEDULE]
+    incremental_runners = {INCREMENTAL: flow.incremental_runner}
+    if args.incremental_b is not None:
+        incremental_runners[INCREMENTAL_B] = OrtRunner.from_path(
+            args.incremental_b, graphs.FLOW_ESTIMATOR_INCREMENTAL.name, threads=args.threads
+        )
+        modes += [OFFICIAL_SCHEDULE + INCREMENTAL_B, FAST_SCHEDULE + INCREMENTAL_B]
+        plans |= {name + INCREMENTAL_B: plans[name] for name in (OFFICIAL_SCHEDULE, FAST_SCHEDULE)}
+    if args.modes is not None:  # mel differences against official, or the first mode without it
+        modes = [name for name in modes if name in args.modes.split(",")]
     # Warm up both estimator graphs and the vocoder on the first chunk's tokens (cheap).
     first = plans[OFFICIAL_SCHEDULE][0]
     _run(flow, vocoder, inputs, [first], config.token_mel_ratio)
     _run(flow, vocoder, inputs, [ChunkPlan(end=first.end, offset=0, final=True)], config.token_mel_ratio)
-    if flow.incremental_runner is not None:
-        _run(flow, vocoder, inputs, [first], config.token_mel_ratio, incremental=True)
+    for runner in incremental_runners.values():
+        if runner is not None:
+            flow.incremental_runner = runner
+            _run(flow, vocoder, inputs, [first], config.token_mel_ratio, incremental=True)
     runs: dict[str, list[dict]] = {name: [] for name in modes}
     for index in range(args.runs):
         for name in modes:
-            result = _run(
-                flow, vocoder, inputs, plans[name], config.token_mel_ratio, name.endswith(INCREMENTAL)
-            )
+            suffix = next((key for key in (INCREMENTAL_B, INCREMENTAL) if name.endswith(key)), None)
+            if suffix is not None:
+                flow.incremental_runner = incremental_runners[suffix]
+            result = _run(flow, vocoder, inputs, plans[name], config.token_mel_ratio, suffix is not None)
             runs[name].append(result)
             per_call = " ".join(f"{value:.1f}" for value in result["seconds"])
             print(
                 f"run {index + 1} {name}: {result['total_s']:.2f} s in {result['calls']} calls ({per_call})",
                 flush=True,
             )
-    official = runs[OFFICIAL_SCHEDULE][0]["mel"]
+    reference = OFFICIAL_SCHEDULE if OFFICIAL_SCHEDULE in runs else modes[0]
+    official = runs[reference][0]["mel"]
     base = statistics.median(run["total_s"] for run in runs["none"]) if runs.get("none") else float("nan")
     summary = {}
     for name in modes:
@@ -182,7 +204,7 @@ def main() -> None:
     for name, row in summary.items():
         print(
             f"{name:>13}: total {row['total_s']:.2f} s ({row['ratio_to_none']:.2f}x), first chunk "
-            f"{row['first_chunk_s']:.2f} s, {row['calls']} calls, mel vs official max "
+            f"{row['first_chunk_s']:.2f} s, {row['calls']} calls, mel vs {reference} max "
             f"{row['mel_max_abs_diff_vs_official']:.3g} mean {row['mel_mean_abs_diff_vs_official']:.3g}, "
             f"flow cache {row['cache_mib']:.0f} MiB"
         )

@@ -270,6 +270,20 @@ def test_verify_stream_rows_pass_through_the_incremental_flow(tiny_ort, golden):
     assert not failed, failed
 
 
+def test_the_onnxruntime_graph_fuses_its_attention(tiny_ort, tmp_path_factory, v2_tiny_dir):
+    """Each block's attention over cached ++ new keys is one MultiHeadAttention whose bias is the
+    new frames' chunk mask (``ort_passes.INCREMENTAL_REWRITES``): no Softmax or score tensor is left."""
+    onnx = pytest.importorskip("onnx", reason="reading the graph needs onnx (the [build] extra)")
+    from _support import tiny_engines
+
+    path = tiny_engines(tmp_path_factory, v2_tiny_dir) / "flow_estimator_incremental.onnx"
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    fused = [node for node in nodes if node.op_type == "MultiHeadAttention"]
+    blocks = cache_layout(tiny_ort.model.config.flow.estimator)[0]
+    assert len(fused) == blocks and not any(node.op_type == "Softmax" for node in nodes)
+    assert all(len(node.input) == 6 and node.input[5] for node in fused)  # attention_bias: the chunk mask
+
+
 @pytest.mark.slow
 def test_derived_int4_engines_quantise_the_incremental_graph(
     tiny_ort, tmp_path_factory, v2_tiny_dir, tmp_path

@@ -39,7 +39,7 @@ from .export import ExportResult, GraphPlan, export_graph, graph_record
 from .modules.flow_estimator import CausalConditionalDecoder
 from .modules.flow_estimator_incremental import IncrementalEstimatorGraph, incremental_cache_layout
 from .onnx_files import save_onnx
-from .ort_passes import GraphRewrites, check_equivalent, rewrite_model
+from .ort_passes import INCREMENTAL_REWRITES, check_equivalent, rewrite_model
 from .quantize import quantize_matmul_int8
 
 __all__ = [
@@ -153,9 +153,10 @@ def _incremental_graph(model: LoadedModel) -> tuple[GraphSpec, nn.Module, GraphP
 
 
 def _rewrite(path: Path, feeds: list[dict[str, np.ndarray]], progress: Progress | None) -> None:
-    """Mish and GELU in ONNX Runtime's faster forms, proven equal on the export feeds."""
+    """Attention fused (chunk mask kept as its bias), Mish and GELU in ONNX Runtime's faster forms,
+    proven equal on the export feeds."""
     model = onnx.load(str(path))
-    counts = rewrite_model(model, GraphRewrites())
+    counts = rewrite_model(model, INCREMENTAL_REWRITES)
     if not counts.total():
         return
     with tempfile.TemporaryDirectory(prefix=".rewrite-", dir=path.parent) as scratch:

@@ -35,6 +35,7 @@ __all__ = [
     "EQUIVALENCE_TOLERANCE",
     "GraphRewrites",
     "GRAPH_REWRITES",
+    "INCREMENTAL_REWRITES",
     "RewriteCounts",
     "rewrite_model",
     "check_equivalent",
@@ -62,6 +63,11 @@ GRAPH_REWRITES: Final = {
     FLOW_ESTIMATOR_STREAM.name: GraphRewrites(attention=True),
     LLM.name: GraphRewrites(qwen2_attention=True),  # matches nothing in the v1 TransformerLM
 }
+# The incremental estimator (``build.flow_incremental`` rewrites it itself, before quantisation): its
+# attention over [cached ++ new] keys keeps the chunk mask of the new frames ([1, 1, T, P + T]) as
+# ``attention_bias``; without the fusion each block splits and transposes the P + T keys and values
+# into heads and writes the [2, H, T, P + T] scores four times.
+INCREMENTAL_REWRITES: Final = GraphRewrites(attention=True)
 
 
 @dataclass
