@@ -3,6 +3,8 @@ N speech tokens, and what the LLM's caches reserve, per stage, in one process.
 
     python bench/memory_stages.py --engines /work/fullsize/int4-030 --tokens 400 800 1600
 
+Works for CosyVoice2 and CosyVoice3 engines (v3: the causal HiFT on its fixed noise buffer).
+
 For each N (random speech tokens, the voice of bench/memory_load.py as prompt) the flow runs
 non-streaming on prompt + N tokens, then the vocoder on its mel frames; each stage's cost is its
 peak RSS (VmHWM, reset through /proc/self/clear_refs) minus the RSS before it. ONNX Runtime's arena
@@ -21,6 +23,7 @@ import time
 import numpy as np
 
 from trt_cosy import CosyVoice
+from trt_cosy.models.v3.stages import V3VocoderStage
 from trt_cosy.runtime.heap import return_large_blocks
 from trt_cosy.runtime.run_scope import RunScope
 from trt_cosy.stages.llm_batch import DEFAULT_POSITIONS, DEFAULT_SLOTS
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             between = status_mib("VmRSS")
             reset_peak()
             started = time.perf_counter()
-            samples = stages.vocoder.render(mel, np.random.default_rng(0), None, final=True)[0]
+            samples = _vocode(stages.vocoder, mel)
             hift_s, hift_peak = time.perf_counter() - started, status_mib("VmHWM")
         print(
             f"{count} tokens ({mel.shape[2]} mel frames, {samples.size / config.sample_rate:.1f} s): "
@@ -84,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         del mel, samples
     return 0
+
+
+def _vocode(vocoder, mel: np.ndarray) -> np.ndarray:
+    """One final, one-shot vocoder call on ``mel`` [1, 80, F]: the samples [N]."""
+    if isinstance(vocoder, V3VocoderStage):  # CosyVoice3: the fixed NSF noise buffer, no rng
+        return vocoder.render(mel, final=True)[0]
+    return vocoder.render(mel, np.random.default_rng(0), None, final=True)[0]
 
 
 if __name__ == "__main__":

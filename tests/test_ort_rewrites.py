@@ -19,7 +19,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.build.ort_passes import EQUIVALENCE_TOLERANCE, GRAPH_REWRITES, check_equivalent, rewrite_model
-from trt_cosy.build.ort_rewrites import fuse_attention, fuse_gelu, rewrite_mish
+from trt_cosy.build.ort_rewrites import fuse_attention, fuse_gelu, fuse_tanh_gelu, rewrite_mish
 from trt_cosy.errors import BuildError
 from trt_cosy.models.registry import read_release_config
 
@@ -166,6 +166,49 @@ def test_erf_gelu_in_either_multiplication_order_becomes_gelu(half_first):
     assert worst < 1e-6, f"Gelu differs by {worst:.2e}"
 
 
+def _tanh_gelu_model(half_first: bool, cubic: float = 0.044715) -> onnx.ModelProto:
+    """``nn.GELU(approximate="tanh")`` as the exporter writes it (the CosyVoice3 DiT's FFN)."""
+    inits = [
+        numpy_helper.from_array(np.array(3.0, np.float32), "three"),
+        numpy_helper.from_array(np.array(cubic, np.float32), "cubic"),
+        numpy_helper.from_array(np.array(np.sqrt(2.0 / np.pi), np.float32), "scale"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+    ]
+    first, second = (
+        (["half", "one_plus"], ["x", "scaled"]) if half_first else (["x", "one_plus"], ["scaled", "half"])
+    )
+    nodes = [
+        helper.make_node("Pow", ["x", "three"], ["cube"]),
+        helper.make_node("Mul", ["cubic", "cube"], ["cube_scaled"]),
+        helper.make_node("Add", ["x", "cube_scaled"], ["inner"]),
+        helper.make_node("Mul", ["scale", "inner"], ["argument"]),
+        helper.make_node("Tanh", ["argument"], ["tanh"]),
+        helper.make_node("Add", ["tanh", "one"], ["one_plus"]),
+        helper.make_node("Mul", first, ["scaled"]),
+        helper.make_node("Mul", second, ["out"]),
+    ]
+    return _model(nodes, [_value("x", [3, 50])], inits)
+
+
+@pytest.mark.parametrize("half_first", [True, False])
+def test_tanh_gelu_in_either_multiplication_order_becomes_fast_gelu(half_first):
+    before = _tanh_gelu_model(half_first)
+    after = copy.deepcopy(before)
+    assert fuse_tanh_gelu(after) == 1
+    assert _ops(after) == ["FastGelu"]
+    assert fuse_gelu(copy.deepcopy(before)) == 0  # the erf pattern does not take it
+    feed = {"x": np.random.default_rng(3).standard_normal((3, 50)).astype(np.float32) * 4}
+    worst = check_equivalent(before, after, [feed], "tanh gelu")
+    assert worst < 1e-5, f"FastGelu differs by {worst:.2e}"
+
+
+def test_a_tanh_gelu_with_another_constant_is_left_alone():
+    model = _tanh_gelu_model(True, cubic=0.05)
+    assert fuse_tanh_gelu(model) == 0
+    assert "Tanh" in _ops(model)
+
+
 def test_the_tolerance_is_tight_enough_to_catch_a_wrong_scale():
     before = _attention_model()
     after = copy.deepcopy(before)
@@ -204,3 +247,16 @@ def test_the_built_estimators_are_fused(tmp_path_factory, v2_tiny_dir: Path):
     assert _ops(llm).count("GroupQueryAttention") == layers, "every Qwen2 layer's attention is fused"
     assert {"Softmax", "Where", "Neg"}.isdisjoint(_ops(llm)), "unfused attention or rotary ops left"
     assert _ops(llm).count("Cos") == 1, "one rotary table for all layers"
+
+
+def test_the_v3_dit_estimators_are_fused(tmp_path_factory):
+    from _support import family_engines, family_release
+
+    engines = family_engines(tmp_path_factory, "v3")
+    depth = read_release_config(family_release(tmp_path_factory, "v3")).flow.estimator.depth
+    for name in ("flow_estimator", "flow_estimator_stream"):
+        model = onnx.load(str(engines / f"{name}.onnx"), load_external_data=False)
+        ops = [n.op_type for n in model.graph.node]
+        assert ops.count("MultiHeadAttention") == depth, f"{name}: {ops.count('MultiHeadAttention')} attention"
+        assert ops.count("FastGelu") == depth, f"{name}: {ops.count('FastGelu')} FastGelu, want {depth}"
+        assert "Tanh" not in ops and "Pow" not in ops, f"{name}: an unfused tanh GELU is left"

@@ -25,6 +25,7 @@ from trt_cosy.build.modules.llm import LLMGraph, embedding_tables, load_llm
 from trt_cosy.build.quantize import (
     fuse_rms_norm,
     precision_plan,
+    quantize_float_matmuls_nbits,
     quantize_matmul_int8,
     quantize_weights_nbits,
 )
@@ -174,3 +175,43 @@ def test_int8_matmul_only_quantises_constant_weights(tmp_path):
     got = OrtRunner.from_path(tmp_path / "mm_int8.onnx", "mm", threads=1).infer(feed)["y"]
     snr = snr_db(expected, got)
     assert snr >= 30.0, f"int8 MatMul SNR {snr:.1f} dB < 30 dB"
+
+
+def test_float_matmuls_left_after_the_int8_pass_become_8_bit_weight_only(tmp_path):
+    """The v3 DiT's AdaLN after ``quantize_matmul_int8``: a float MatMul on 2 rows -> MatMulNBits."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("MatMul", ["t", "g"], ["tg_raw"]),  # [2, 64] x [64, 96]: the modulation
+        helper.make_node("Add", ["tg_raw", "b"], ["tg"]),
+        helper.make_node("MatMul", ["tg", "z"], ["y"]),  # activation x activation: left alone
+    ]
+    weights = {
+        "g": rng.standard_normal((64, 96)).astype(np.float32),
+        "b": rng.standard_normal(96).astype(np.float32),
+    }
+    graph = helper.make_graph(
+        nodes,
+        "adaln",
+        [
+            helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 64]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [96, 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        initializer=[numpy_helper.from_array(value, name) for name, value in weights.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "g.onnx"))
+    onnx.save(model, str(tmp_path / "g_q.onnx"))
+    assert quantize_float_matmuls_nbits(tmp_path / "g_q.onnx") == 1
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "g_q.onnx")).graph.node]
+    assert ops.count("MatMulNBits") == 1 and ops.count("MatMul") == 1, ops
+    assert quantize_float_matmuls_nbits(tmp_path / "g_q.onnx") == 0  # nothing float is left
+    feed = {
+        "t": rng.standard_normal((2, 64)).astype(np.float32),
+        "z": rng.standard_normal((96, 4)).astype(np.float32),
+    }
+    expected = OrtRunner.from_path(tmp_path / "g.onnx", "g", threads=1).infer(feed)["y"]
+    got = OrtRunner.from_path(tmp_path / "g_q.onnx", "g", threads=1).infer(feed)["y"]
+    snr = snr_db(expected, got)
+    assert snr >= 30.0, f"8-bit weight-only MatMul SNR {snr:.1f} dB < 30 dB"

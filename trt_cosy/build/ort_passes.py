@@ -4,7 +4,8 @@
 graphs right after their export passed the torch parity check and before any quantisation:
 
 * the estimators: attention fused into ``MultiHeadAttention`` (bias dropped in the non-streaming
-  one, see ``build.ort_rewrites``), Mish vectorised, GELU fused;
+  one, see ``build.ort_rewrites``), Mish vectorised, GELU fused (erf GELU of the U-Net, tanh GELU
+  of the CosyVoice3 DiT);
 * the Qwen2 LLM (v2, v3): each layer's attention fused into ``GroupQueryAttention``
   (``build.ort_llm_rewrites``).
 
@@ -29,7 +30,7 @@ from ..errors import BuildError
 from ..runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, LLM
 from .onnx_files import save_onnx
 from .ort_llm_rewrites import fuse_qwen2_attention
-from .ort_rewrites import fuse_attention, fuse_gelu, rewrite_mish
+from .ort_rewrites import fuse_attention, fuse_gelu, fuse_tanh_gelu, rewrite_mish
 
 __all__ = [
     "EQUIVALENCE_TOLERANCE",
@@ -99,7 +100,7 @@ def rewrite_model(model: onnx.ModelProto, rewrites: GraphRewrites) -> RewriteCou
             note = "trt-cosy: attention ignores key padding here; every row must be unpadded (all-ones mask)."
             model.doc_string = f"{model.doc_string}\n{note}" if model.doc_string else note
     counts.mish = rewrite_mish(model)
-    counts.gelu = fuse_gelu(model)
+    counts.gelu = fuse_gelu(model) + fuse_tanh_gelu(model)
     return counts
 
 

@@ -14,7 +14,10 @@ Applied to onnxruntime engines only (TensorRT gets the exported graphs through `
 * **Mish** — ORT expands ``Mish`` into ``Softplus → Tanh → Mul``, whose Softplus is scalar code.
   ``tanh(softplus(x)) = n / (n + 2)`` with ``n = eˣ(eˣ + 2)`` is exact algebra on vectorised ops
   (x is clamped at 20, where the ratio is 1 in float32).
-* **GELU** — the exported erf GELU ``x · (erf(x / √2) + 1) · 0.5`` becomes ``com.microsoft.Gelu``.
+* **GELU** — the exported erf GELU ``x · (erf(x / √2) + 1) · 0.5`` becomes ``com.microsoft.Gelu``;
+  the tanh GELU of the CosyVoice3 DiT (``nn.GELU(approximate="tanh")``, exported as
+  ``x · (tanh(√(2/π) · (x + 0.044715 · x³)) + 1) · 0.5``: eight elementwise passes over the FFN's
+  [B, T, 2·D] activations, which ONNX Runtime does not fuse itself) becomes ``com.microsoft.FastGelu``.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from .onnx_graph import (
     trace_head_input,
 )
 
-__all__ = ["fuse_attention", "rewrite_mish", "fuse_gelu"]
+__all__ = ["fuse_attention", "rewrite_mish", "fuse_gelu", "fuse_tanh_gelu"]
 
+_TANH_GELU_CUBIC: Final = 0.044715
+_TANH_GELU_SCALE: Final = float(np.sqrt(2.0 / np.pi))
 _MISH_CLAMP: Final = 20.0  # n / (n + 2) == 1.0 in float32 well before x = 20; e^40 is still finite
 
 
@@ -169,6 +174,60 @@ def _gelu_site(index: GraphIndex, erf: onnx.NodeProto, number: int) -> onnx.Node
         return None
     return helper.make_node(
         "Gelu", [x], [second.output[0]], name=f"ort_rewrites/gelu_{number}", domain=MS_DOMAIN
+    )
+
+
+def fuse_tanh_gelu(model: onnx.ModelProto) -> int:
+    """``x · (tanh(√(2/π) · (x + 0.044715 · x³)) + 1) · 0.5`` (the two last Muls in either order)
+    -> ``com.microsoft.FastGelu``."""
+    return fuse_sites(model, "Tanh", _tanh_gelu_site)
+
+
+def _scaled_by(index: GraphIndex, node: onnx.NodeProto | None, value: float) -> str | None:
+    """The other input of ``node`` when it is ``Mul(t, value)`` (either order), else None."""
+    if node is None or node.op_type != "Mul":
+        return None
+    for position in (0, 1):
+        if is_scalar(index, node.input[position], value):
+            return node.input[1 - position]
+    return None
+
+
+def _tanh_gelu_site(index: GraphIndex, tanh: onnx.NodeProto, number: int) -> onnx.NodeProto | None:
+    inner = _scaled_by(index, index.producer.get(tanh.input[0]), _TANH_GELU_SCALE)  # x + c·x³
+    add = index.producer.get(inner) if inner is not None else None
+    if add is None or add.op_type != "Add" or index.only_consumer(inner) is None:
+        return None
+    left, right = add.input
+    for x, cubic_term in ((left, right), (right, left)):
+        cube = _scaled_by(index, index.producer.get(cubic_term), _TANH_GELU_CUBIC)
+        power = index.producer.get(cube) if cube is not None else None
+        if (
+            power is not None
+            and power.op_type == "Pow"
+            and power.input[0] == x
+            and is_scalar(index, power.input[1], 3.0)
+        ):
+            break
+    else:
+        return None
+    plus_one = index.only_consumer(tanh.output[0])
+    if plus_one is None or plus_one.op_type != "Add":
+        return None
+    other = [i for i in plus_one.input if i != tanh.output[0]]
+    if len(other) != 1 or not is_scalar(index, other[0], 1.0):
+        return None
+    first = index.only_consumer(plus_one.output[0])
+    second = index.only_consumer(first.output[0]) if first is not None else None
+    if first is None or second is None or first.op_type != "Mul" or second.op_type != "Mul":
+        return None
+    others = [i for i in first.input if i != plus_one.output[0]] + [
+        i for i in second.input if i != first.output[0]
+    ]
+    if len(others) != 2 or x not in others or not is_scalar(index, others[1 - others.index(x)], 0.5):
+        return None
+    return helper.make_node(
+        "FastGelu", [x], [second.output[0]], name=f"ort_rewrites/fast_gelu_{number}", domain=MS_DOMAIN
     )
 
 

@@ -6,7 +6,9 @@ family (CosyVoice 1, 2, 3; ``QUANTIZED_GRAPHS``):
 
 * ``int4``: the LLM's weights 4-bit (``MatMulNBits``, symmetric, block 32, int8 compute), the flow
   estimators' MatMul weights int8 (dynamic, per-channel; v1/v2 U-Net, v3 DiT); flow encoder, HiFT
-  and the v1 text encoder stay fp32.
+  and the v1 text encoder stay fp32. The v3 DiT's modulation weights (``Gemm``s, which the dynamic
+  quantiser rewrites as float MatMuls and leaves fp32: 142M of its 331M parameters at full size)
+  get 8-bit weight-only ``MatMulNBits`` with int8 compute (``quantize_float_matmuls_nbits``).
 * ``int8``: the same with 8-bit LLM weights.
 
 Only MatMuls whose weight is a constant are quantised; RMSNorm/LayerNorm, softmax, attention scores,
@@ -44,6 +46,7 @@ __all__ = [
     "fuse_rms_norm",
     "quantize_weights_nbits",
     "quantize_matmul_int8",
+    "quantize_float_matmuls_nbits",
     "quantize_engines",
     "derive_engines",
 ]
@@ -55,15 +58,18 @@ QUANTIZED_PRECISIONS: Final = ("int8", "int4")
 # weight-only n-bit weights, "estimator" dynamic int8 MatMuls. Every other graph stays fp32: the
 # flow encoders and the v1 text encoder run once per request (compute-bound, a few % of the time),
 # HiFT is Conv/Sin-bound and its waveform the most sensitive output.
+# "dit": the estimator's int8 MatMuls plus 8-bit weight-only modulation weights (the v3 DiT, whose
+# AdaLN linears run on the time embedding only: 2 rows, memory-bound; 567 MB of fp32 weights at full size).
 _ESTIMATORS_V2: Final = (graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name)
 QUANTIZED_GRAPHS: Final = {
     "v1": {graphs_v1.V1_LLM.name: "llm", graphs_v1.V1_FLOW_ESTIMATOR.name: "estimator"},
     "v2": {graphs.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "estimator"),
-    "v3": {graphs_v3.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "estimator"),
+    "v3": {graphs_v3.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "dit"),
 }
 # Model families whose graph sets precision_plan() knows (config.family values).
 QUANTIZABLE_FAMILIES: Final = frozenset(QUANTIZED_GRAPHS)
 _NBITS_BLOCK: Final = 32
+_DIT_METHOD: Final = "int8+nbits8"  # dynamic int8 MatMuls, then the float MatMuls left 8-bit weight-only
 _INT8_COMPUTE: Final = 4  # MatMulNBits accuracy_level 4: int8 activations, integer dot products
 
 Progress = Callable[[str], None]
@@ -71,7 +77,8 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class StagePlan:
-    """How one graph is reduced: ``"fp32"`` (unchanged), ``"nbits4"``, ``"nbits8"`` or ``"int8"``;
+    """How one graph is reduced: ``"fp32"`` (unchanged), ``"nbits4"``, ``"nbits8"``, ``"int8"`` or
+    ``"int8+nbits8"`` (``"int8"``, then ``quantize_float_matmuls_nbits``: the v3 DiT);
     ``fuse_rms_norm``: rewrite its Qwen2 RMSNorms first (n-bit LLMs of v2/v3 only)."""
 
     graph: str
@@ -92,7 +99,12 @@ def precision_plan(precision: str, family: str) -> tuple[StagePlan, ...]:
         return tuple(StagePlan(name, "fp32") for name in names)
     if precision not in QUANTIZED_PRECISIONS:
         raise InputError(f"precision {precision!r} is unknown; use fp32, {', '.join(QUANTIZED_PRECISIONS)}.")
-    methods = {"llm": "nbits4" if precision == "int4" else "nbits8", "estimator": "int8", None: "fp32"}
+    methods = {
+        "llm": "nbits4" if precision == "int4" else "nbits8",
+        "estimator": "int8",
+        "dit": _DIT_METHOD,
+        None: "fp32",
+    }
     roles = QUANTIZED_GRAPHS[family]
     qwen_llm = family_named(family).qwen_llm  # RMSNorm fusion before n-bit quantisation: Qwen2 LLMs only
     return tuple(
@@ -185,6 +197,48 @@ def quantize_matmul_int8(source: Path, target: Path) -> int:
     return len(nodes)
 
 
+def quantize_float_matmuls_nbits(path: Path, bits: int = 8, block_size: int = _NBITS_BLOCK) -> int:
+    """Weight-only ``bits``-bit ``MatMulNBits`` (symmetric, blocks of ``block_size`` along K, int8
+    compute as the LLM's) for every MatMul of ``path`` whose weight is a constant float32 matrix, in place; returns
+    the count.
+
+    Run after ``quantize_matmul_int8``: what it leaves float are the MatMuls its quantiser wrote for
+    the ``Gemm``s (time-embedding MLPs, the DiT's AdaLN modulation). Those multiply the time
+    embedding only (M = 2 rows), so their cost is reading the weights.
+    """
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(path))
+    matrices = {
+        init.name
+        for init in model.graph.initializer
+        if len(init.dims) == 2 and init.data_type == onnx.TensorProto.FLOAT
+    }
+    names = [node.name for node in model.graph.node if node.op_type == "MatMul" and node.input[1] in matrices]
+    if not names:
+        return 0
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=bits,
+        block_size=block_size,
+        is_symmetric=True,
+        accuracy_level=_INT8_COMPUTE,  # float compute dequantises the whole weight per call: 17x slower
+        nodes_to_include=names,
+    )
+    with _quiet("onnxruntime.quantization"):
+        quantizer.process()
+    count = sum(node.op_type == "MatMulNBits" for node in quantizer.model.model.graph.node)
+    staged = path.with_name(f".{path.stem}.nbits{bits}.onnx")
+    save_onnx(quantizer.model.model, staged)
+    path.with_name(path.name + ".data").unlink(missing_ok=True)
+    staged.replace(path)
+    staged_data = staged.with_name(staged.name + ".data")
+    if staged_data.exists():
+        _relocate_external_data(path, staged_data)
+    _LOGGER.info("%s: %d float MatMuls -> MatMulNBits(%d bits)", path.name, count, bits)
+    return count
+
+
 class _quiet:
     """Hold a chatty logger (ORT's quantisers log one line per node) at WARNING unless we log at DEBUG."""
 
@@ -233,6 +287,8 @@ def quantize_engines(
         staged_data = staged.with_name(staged.name + ".data")
         if staged_data.exists():
             _relocate_external_data(path, staged_data)
+        if plan.method == _DIT_METHOD:
+            count += quantize_float_matmuls_nbits(path, bits=8)
         message = (
             f"{plan.graph}: {count} MatMul weights -> {plan.method} in {time.perf_counter() - start:.1f} s"
         )

@@ -53,8 +53,9 @@ HIFT_NOISE_NAME: Final = "hift_noise.npy"  # v3: the causal HiFT's fixed NSF buf
 SPEAKERS_NAME: Final = "speakers.npz"  # v1 -SFT/-Instruct: preset speakers from spk2info.pt
 TOKENIZER_DIR: Final = "tokenizer"  # v2/v3: the Qwen tokenizer files; v1: multilingual.tiktoken
 # ONNX Runtime graphs whose session is created on first use: only streaming synthesis runs the
-# chunk-attention estimator, and its session costs ~0.5 s of cold start and its own weights.
-LAZY_GRAPHS: Final = frozenset({"flow_estimator_stream"})
+# chunk-attention estimator, and its session costs ~0.5 s of cold start and its own weights; likewise
+# CosyVoice3's streaming vocoder (``hift_stream``: a second copy of the HiFT weights, 84 MB at full size).
+LAZY_GRAPHS: Final = frozenset({"flow_estimator_stream", "hift_stream"})
 
 
 def graph_specs(family: str) -> dict[str, graphs.GraphSpec]:
