@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +114,28 @@ def test_vocoder_and_encoder_calls_release_intermediate_memory(tmp_path, weight,
     for _ in range(3):
         np.testing.assert_allclose(runner.infer({"x": x})["y"], x @ weight, rtol=1e-4, atol=1e-3)
     assert recording.releases == (3 if name in RELEASE_AFTER_GRAPHS else 0)
+
+
+def test_concurrent_calls_never_release_a_busy_compiled_model(tmp_path, weight):
+    """OpenVINO raises when ``release_memory`` meets a running request: the runner releases only when
+    none of its calls runs, so overlapping vocoder calls all succeed."""
+    compiled = ov.Core().compile_model(str(_matmul_ir(tmp_path, weight)), "CPU", _FP32)
+    recording = _Recording(compiled)
+    runner = OvRunner(recording, "hift")
+    x = np.random.default_rng(3).standard_normal((512, _IN)).astype(np.float32)  # [512, 1024]
+    expected, errors = x @ weight, []
+
+    def work() -> None:
+        try:
+            for _ in range(5):
+                np.testing.assert_allclose(runner.infer({"x": x})["y"], expected, rtol=1e-4, atol=1e-3)
+        except Exception as exc:  # collected: a thread's exception would not fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert 1 <= recording.releases <= 20

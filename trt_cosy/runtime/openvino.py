@@ -233,7 +233,8 @@ class OvRunner:
         self._outputs = outputs
         self._idle: list[Any] = []
         self._lock = threading.Lock()
-        self._calls = 0
+        self._busy = 0  # calls running
+        self._calls = 0  # calls made
 
     @classmethod
     def from_path(
@@ -317,29 +318,37 @@ class OvRunner:
             result = request.infer(inputs, share_inputs=True, share_outputs=False)
             return {name: result[name] for name in self._outputs}
         finally:
-            with self._lock:
-                self._idle.append(request)
-                self._calls += 1
-                first = self._calls <= _DROP_CALLS
-            self._release(first)
-
-    def _release(self, first: bool) -> None:
-        """After a call: drop the weight files' pages after a runner's first calls (they repack the
-        weights: ``drop_weight_pages``) and, after the graphs of ``RELEASE_AFTER_GRAPHS``, the
-        intermediate memory."""
-        if first:
-            drop_weight_pages()
-        if self.name in RELEASE_AFTER_GRAPHS:
-            self.compiled.release_memory()  # buffers a next call allocates again
-            libc = _glibc()
-            if libc is not None:
-                libc.malloc_trim(0)  # the freed blocks glibc keeps in its heaps
+            self._release(request)
 
     def _acquire(self) -> Any:
         with self._lock:
+            self._busy += 1
             if self._idle:
                 return self._idle.pop()
         return self.compiled.create_infer_request()
+
+    def _release(self, request: Any) -> None:
+        """After a call: drop the weight files' pages after a runner's first calls (they repack the
+        weights: ``drop_weight_pages``) and, after the graphs of ``RELEASE_AFTER_GRAPHS``, the
+        intermediate memory, when no other call of this runner is running (OpenVINO refuses to
+        release a busy compiled model; the lock keeps a new call from starting meanwhile)."""
+        released = False
+        with self._lock:
+            self._idle.append(request)
+            self._busy -= 1
+            self._calls += 1
+            first = self._calls <= _DROP_CALLS
+            if self._busy == 0 and self.name in RELEASE_AFTER_GRAPHS:
+                try:
+                    self.compiled.release_memory()  # buffers the next call allocates again
+                    released = True
+                except RuntimeError as exc:  # busy through a request made outside this runner
+                    _LOGGER.debug("graph '%s' kept its intermediate memory: %s", self.name, exc)
+        if first:
+            drop_weight_pages()
+        libc = _glibc() if released else None
+        if libc is not None:
+            libc.malloc_trim(0)  # the blocks OpenVINO freed, which glibc keeps in its heaps
 
     def _cast(self, key: str, value: np.ndarray) -> np.ndarray:
         array, dtype = np.asarray(value), self._inputs[key]
