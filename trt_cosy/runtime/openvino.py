@@ -10,11 +10,21 @@ never reconverts. What each engines precision means at run time (``graph_precisi
   CPU with AVX512-BF16 or AMX (``cpu_has_bf16``); elsewhere they run in float32, with a warning.
 * ``int8`` / ``int4``: the LLM's MatMul weights are stored 8/4-bit (``build.openvino``); the
   graphs compute as for ``bf16``.
+
+Memory (``OvRunner.infer``, docs/benchmarks.md "Mixed engines"): OpenVINO maps each graph's weights
+file (or its compiled-model cache blob) and reads it once, when the CPU plugin repacks the weights
+into its own layout on the first call; the mapped pages then stay in the process's RSS, unused.
+A runner's first calls end by dropping them (``drop_weight_pages``: the kernel reads them back from the page
+cache if OpenVINO ever does again). The graphs ONNX Runtime shrinks its arena after (the vocoders
+and flow encoders) also hand their intermediate memory back (``CompiledModel.release_memory`` and
+glibc ``malloc_trim``): OpenVINO frees a long vocoder call's buffers, but glibc keeps them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +49,8 @@ __all__ = [
     "graph_precisions",
     "compiled_model_cache",
     "pin_sinusoid_arguments",
+    "drop_weight_pages",
+    "RELEASE_AFTER_GRAPHS",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -51,6 +63,15 @@ FP32_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift"})
 _HINTS: Final = {"fp32": "f32", "bf16": "bf16"}
 _DEVICE: Final = "CPU"
 _DECODER_INPUTS: Final = ("inputs_embeds", "past_keys", "past_values")
+# Graphs whose calls end by handing their intermediate memory back (``OvRunner.infer``): those
+# ``runtime.ort`` shrinks its arena after, the vocoders (a long call's buffers: 270 MB for 10 s of
+# audio at full size) and the flow encoders (once per chunk).
+RELEASE_AFTER_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift", "flow_encoder", "v1_flow_encoder"})
+_MADV_DONTNEED: Final = 4  # <sys/mman.h>
+_DROP_CALLS: Final = 2  # a runner's first calls repack its weights; later calls do not read the file
+_weight_files: set[str] = set()  # the files (and cache folders) OpenVINO maps weights from
+_WEIGHTS_LOCK: Final = threading.Lock()
+_libc: list[Any] = []  # [libc or None]: glibc's madvise/malloc_trim, looked up once
 _bf16_state: dict[str, bool] = {}  # {"cpu": has bf16?}, asked once per process
 _BF16_LOCK: Final = threading.Lock()
 
@@ -128,6 +149,58 @@ def compiled_model_cache(core: Any) -> Path | None:
     return folder
 
 
+def _glibc() -> Any | None:
+    """glibc through ctypes, with ``madvise`` and ``malloc_trim`` typed; None elsewhere."""
+    with _WEIGHTS_LOCK:
+        if not _libc:
+            libc = None
+            if sys.platform.startswith("linux"):
+                try:
+                    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+                    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+                    libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+                except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+                    libc = None
+            _libc.append(libc)
+        return _libc[0]
+
+
+def _register_weights(weights: Path, cache: str) -> None:
+    """Remember a graph's weights file and the compiled-model cache folder it may load from instead."""
+    names = [str(weights.resolve())] + ([str(Path(cache).resolve()) + "/"] if cache else [])
+    with _WEIGHTS_LOCK:
+        _weight_files.update(names)
+
+
+def drop_weight_pages() -> int:
+    """Drop the resident pages of the OpenVINO weight files this process maps read-only; return bytes.
+
+    The CPU plugin reads a graph's weights file (``.bin``, or the compiled-model cache blob) once,
+    when it repacks the weights on the first call, and keeps the mapping: ~140 MB of clean file
+    pages per full-size estimator stay resident though nothing reads them. ``madvise(MADV_DONTNEED)``
+    on a read-only shared file mapping only unmaps them (no data is lost: a later read faults them in
+    from the page cache). Only mappings of files ``OvRunner.from_path`` registered are touched.
+    """
+    libc = _glibc()
+    with _WEIGHTS_LOCK:
+        files = tuple(_weight_files)
+    if libc is None or not files:
+        return 0
+    dropped = 0
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in maps:  # "lo-hi perms offset dev inode path"
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[1] != "r--s" or not fields[5].startswith(files):
+            continue
+        low, high = (int(value, 16) for value in fields[0].split("-"))
+        if libc.madvise(low, high - low, _MADV_DONTNEED) == 0:
+            dropped += high - low
+    return dropped
+
+
 def _compile_config(threads: int | None, compute: str) -> dict[str, Any]:
     return {
         "INFERENCE_PRECISION_HINT": _HINTS[compute],
@@ -160,6 +233,8 @@ class OvRunner:
         self._outputs = outputs
         self._idle: list[Any] = []
         self._lock = threading.Lock()
+        self._busy = 0  # calls running
+        self._calls = 0  # calls made
 
     @classmethod
     def from_path(
@@ -195,6 +270,7 @@ class OvRunner:
             if compute == "bf16":
                 pin_sinusoid_arguments(model)
             compiled = core.compile_model(model, _DEVICE, config)
+            cache = core.get_property("CACHE_DIR")
         # OpenVINO's pybind errors derive from RuntimeError/Exception only.
         except Exception as exc:
             raise EngineMismatchError(
@@ -204,6 +280,8 @@ class OvRunner:
         _LOGGER.debug(
             "compiled %s as '%s' (%s, %d threads)", path, name, compute, config["INFERENCE_NUM_THREADS"]
         )
+        _register_weights(path.with_suffix(".bin"), str(cache))
+        drop_weight_pages()  # compiling (or loading from the cache) read parts of the file
         return cls(compiled, name, names)
 
     @property
@@ -240,14 +318,37 @@ class OvRunner:
             result = request.infer(inputs, share_inputs=True, share_outputs=False)
             return {name: result[name] for name in self._outputs}
         finally:
-            with self._lock:
-                self._idle.append(request)
+            self._release(request)
 
     def _acquire(self) -> Any:
         with self._lock:
+            self._busy += 1
             if self._idle:
                 return self._idle.pop()
         return self.compiled.create_infer_request()
+
+    def _release(self, request: Any) -> None:
+        """After a call: drop the weight files' pages after a runner's first calls (they repack the
+        weights: ``drop_weight_pages``) and, after the graphs of ``RELEASE_AFTER_GRAPHS``, the
+        intermediate memory, when no other call of this runner is running (OpenVINO refuses to
+        release a busy compiled model; the lock keeps a new call from starting meanwhile)."""
+        released = False
+        with self._lock:
+            self._idle.append(request)
+            self._busy -= 1
+            self._calls += 1
+            first = self._calls <= _DROP_CALLS
+            if self._busy == 0 and self.name in RELEASE_AFTER_GRAPHS:
+                try:
+                    self.compiled.release_memory()  # buffers the next call allocates again
+                    released = True
+                except RuntimeError as exc:  # busy through a request made outside this runner
+                    _LOGGER.debug("graph '%s' kept its intermediate memory: %s", self.name, exc)
+        if first:
+            drop_weight_pages()
+        libc = _glibc() if released else None
+        if libc is not None:
+            libc.malloc_trim(0)  # the blocks OpenVINO freed, which glibc keeps in its heaps
 
     def _cast(self, key: str, value: np.ndarray) -> np.ndarray:
         array, dtype = np.asarray(value), self._inputs[key]
