@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--modes", default=None, help="Comma-separated subset of the modes (default: all).")
     args = parser.parse_args()
 
-    model = load_engines(args.engines, threads=args.threads)
+    model = load_engines(args.engines, threads=args.threads, backend="auto")  # ONNX Runtime, OpenVINO or mixed
     config = model.config
     runners = model.runners
     flow = FlowStage(
