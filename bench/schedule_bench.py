@@ -120,7 +120,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    model = load_engines(args.engines, threads=args.threads)
+    model = load_engines(args.engines, threads=args.threads, backend="auto")  # ONNX Runtime, OpenVINO or mixed
     config = model.config
     runners = model.runners
     flow = FlowStage(

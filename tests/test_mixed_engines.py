@@ -11,6 +11,7 @@ measured), LLM KL <= 0.01 nats.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+from _incremental_support import INCREMENTAL, chunk_errors
 from _support import BLOCK_TORCH, tiny_release
 from click.testing import CliRunner
 
@@ -28,13 +30,16 @@ ov = pytest.importorskip("openvino", reason="mixed engines need `pip install 'tr
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.bench.quality import QualityInputs, quality_guard  # noqa: E402
+from trt_cosy.build.derived import link_or_copy  # noqa: E402
 from trt_cosy.build.engines import build_engines  # noqa: E402
+from trt_cosy.build.flow_incremental import add_incremental_estimator  # noqa: E402
 from trt_cosy.cli import main  # noqa: E402
-from trt_cosy.errors import EngineMismatchError  # noqa: E402
+from trt_cosy.errors import EngineMismatchError, InputError  # noqa: E402
 from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402
 from trt_cosy.runtime.manifest import Manifest  # noqa: E402
 from trt_cosy.runtime.openvino import LazyOvRunner, OvRunner, cpu_has_bf16  # noqa: E402
 from trt_cosy.runtime.ort import LazyOrtRunner, OrtRunner  # noqa: E402
+from trt_cosy.verify.golden import GoldenSet  # noqa: E402
 
 V2_GOLDEN = Path(__file__).parent / "data" / "cosyvoice2-tiny"
 MEL_SNR_BOUND = 35.0  # dB, bf16 flow vs fp32 (measured 46.6 dB on these inputs)
@@ -68,7 +73,7 @@ def test_manifest_records_the_backend_of_each_graph(built, precision):
     engines = built("mixed", precision)
     manifest = Manifest.read(engines)
     assert (manifest.backend, manifest.precision) == ("mixed", precision)
-    assert set(manifest.graphs) == set(graph_specs("v2")) | {"llm_batch"}
+    assert set(manifest.graphs) == set(graph_specs("v2")) | {"llm_batch", INCREMENTAL}
     for name, record in manifest.graphs.items():
         if name in ORT_GRAPHS:
             assert (record.backend, record.file) == ("onnxruntime", f"{name}.onnx"), record
@@ -78,13 +83,14 @@ def test_manifest_records_the_backend_of_each_graph(built, precision):
     # bf16-computing graphs store float16 weights (about half the float32 file); HiFT stays float32
     fp32_sizes = Manifest.read(built("mixed", "fp32")).files
     ratio = {
-        name: manifest.files[f"{name}.bin"] / fp32_sizes[f"{name}.bin"] for name in ("flow_estimator", "hift")
+        name: manifest.files[f"{name}.bin"] / fp32_sizes[f"{name}.bin"]
+        for name in ("flow_estimator", INCREMENTAL, "hift")
     }
     if precision == "int4":
-        assert ratio["flow_estimator"] < 0.6 and ratio["hift"] == 1.0, ratio
+        assert ratio["flow_estimator"] < 0.6 and ratio[INCREMENTAL] < 0.6 and ratio["hift"] == 1.0, ratio
         assert manifest.files["llm.onnx"] < 0.5 * fp32_sizes["llm.onnx"]  # MatMulNBits weights
     else:
-        assert ratio == {"flow_estimator": 1.0, "hift": 1.0}
+        assert ratio == {"flow_estimator": 1.0, INCREMENTAL: 1.0, "hift": 1.0}
 
 
 def test_single_backend_manifests_have_no_graph_backends(built, release, tmp_path):
@@ -101,13 +107,14 @@ def test_each_graph_loads_on_its_backend(built):
     kinds = {name: type(runner) for name, runner in model.runners.items()}
     assert kinds["llm"] is LazyOrtRunner and kinds["llm_batch"] is LazyOrtRunner  # one of them is used
     assert kinds["flow_estimator"] is OvRunner and kinds["hift"] is OvRunner
-    assert kinds["flow_estimator_stream"] is LazyOvRunner
+    assert kinds["flow_estimator_stream"] is LazyOvRunner and kinds[INCREMENTAL] is LazyOvRunner
     eager = load_engines(built("mixed", "int4"), threads=1, backend="mixed", lazy_graphs=())
     assert (
         type(eager.runners["llm"]) is OrtRunner and type(eager.runners["flow_estimator_stream"]) is OvRunner
     )
     if cpu_has_bf16():
         assert "bfloat16" in eager.runners["flow_estimator"].inference_precision
+        assert "bfloat16" in eager.runners[INCREMENTAL].inference_precision
     assert "float32" in eager.runners["hift"].inference_precision
 
 
@@ -218,3 +225,89 @@ def test_a_second_load_takes_the_compiled_graphs_from_the_cache(built, tmp_path,
     np.testing.assert_array_equal(
         first.runners["hift"].infer(feed)["wav"], second.runners["hift"].infer(feed)["wav"]
     )
+
+
+# ----------------------------------------------------------------------------- the incremental estimator
+
+# Streaming chunks through the incremental graph, max |mel difference| per chunk (natural-log mel):
+# fp32 engines against their own recomputed chunks (chunk attention over every frame), the same float32
+# maths in another order (measured 3.0e-6; ONNX Runtime 2.7e-6); the bf16 flow of int4 engines against
+# the fp32 engines' recomputed chunks (measured 0.062-0.067 per chunk, where bf16 recomputation gives
+# 0.064-0.32: its error grows with the frames of a call, an incremental call holds the new ones only).
+INCREMENTAL_MEL_TOLERANCE = {"fp32": 5e-5, "int4": 0.1}
+
+
+@pytest.mark.parametrize("precision", ("fp32", "int4"))
+@pytest.mark.parametrize("schedule", ("official", "fast"))
+def test_streaming_chunks_through_the_incremental_graph_match_recomputation(built, precision, schedule):
+    model = load_engines(built("mixed", precision), threads=1, backend="auto")
+    reference = load_engines(built("mixed", "fp32"), threads=1, backend="auto")
+    errors = chunk_errors(model, GoldenSet.load(V2_GOLDEN / "reference.npz"), schedule, reference)
+    assert len(errors) >= 4  # three chunks or more, then the final call
+    assert max(errors) <= INCREMENTAL_MEL_TOLERANCE[precision], errors
+
+
+def test_verify_stream_rows_pass_through_the_incremental_graph(built):
+    """The stream/streampad rows of `trt-cosy verify` on fp32 mixed engines, their chunks computed by
+    the OpenVINO incremental estimator (one cache per scenario, as a request)."""
+    from _streaming_support import CountingRunner
+
+    from trt_cosy.verify import run_verify
+
+    model = load_engines(built("mixed", "fp32"), threads=1, backend="auto")
+    counter = CountingRunner(model.runners[INCREMENTAL])
+    model = dataclasses.replace(model, runners={**model.runners, INCREMENTAL: counter})
+    rows = [row for row in run_verify(model, GoldenSet.load(V2_GOLDEN / "reference.npz"))]
+    stream = [row for row in rows if row.key.startswith(("stream_", "streampad_"))]
+    assert len(stream) >= 30 and counter.calls > 0
+    failed = [f"{row.key} {row.max_abs_err}" for row in stream if row.status not in ("ok", "skipped")]
+    assert not failed, failed
+
+
+def _without_incremental(source: Path, copy: Path) -> Manifest:
+    """``source`` copied to ``copy`` by hard links, less the incremental graph (as engines built before
+    it); returns the source's manifest."""
+    shutil.copytree(source, copy, copy_function=link_or_copy)
+    manifest = Manifest.read(source)
+    record = manifest.graphs[INCREMENTAL]
+    weights = {record.file, f"{INCREMENTAL}.bin"}
+    for name in weights:
+        (copy / name).unlink(missing_ok=True)
+    graphs_ = {name: graph for name, graph in manifest.graphs.items() if name != INCREMENTAL}
+    files = {name: size for name, size in manifest.files.items() if name not in weights}
+    (copy / "manifest.json").unlink()  # a hard link to the source's
+    dataclasses.replace(manifest, graphs=graphs_, files=files).write(copy)
+    return manifest
+
+
+@pytest.mark.parametrize("backend,precision", (("mixed", "int4"), ("onnxruntime", "fp32")))
+def test_add_incremental_estimator_upgrades_engines_built_without_it(
+    built, release, tmp_path, backend, precision
+):
+    source = built(backend, precision)
+    original = (source / "manifest.json").read_bytes()
+    built_manifest = _without_incremental(source, tmp_path / "engines")
+    engines = tmp_path / "engines"
+    assert INCREMENTAL not in load_engines(engines, threads=1, backend="auto").runners
+    path = add_incremental_estimator(engines, release)
+    manifest = Manifest.read(engines)
+    manifest.check(engines, release, backend=backend, precision=precision)
+    added, want = manifest.graphs[INCREMENTAL], built_manifest.graphs[INCREMENTAL]
+    assert dataclasses.replace(added, max_errors={}) == dataclasses.replace(want, max_errors={})
+    assert path == engines / want.file
+    weights = f"{INCREMENTAL}.bin" if backend == "mixed" else want.file  # fp16 IR weights, int4 or fp32 ONNX
+    assert manifest.files[weights] == built_manifest.files[weights]
+    assert (source / "manifest.json").read_bytes() == original  # nothing written through a hard link
+    assert not [item.name for item in engines.iterdir() if item.name.startswith(".")]  # no scratch left
+    model = load_engines(engines, threads=1, backend="auto")
+    assert isinstance(model.runners[INCREMENTAL], LazyOvRunner if backend == "mixed" else LazyOrtRunner)
+
+
+def test_add_incremental_estimator_refuses_other_engines(built, release, tmp_path):
+    engines = tmp_path / "engines"
+    _without_incremental(built("mixed", "int4"), engines)
+    manifest = Manifest.read(engines)
+    (engines / "manifest.json").unlink()
+    dataclasses.replace(manifest, backend="tensorrt").write(engines)
+    with pytest.raises(InputError, match="tensorrt engines"):
+        add_incremental_estimator(engines, release)

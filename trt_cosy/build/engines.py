@@ -52,7 +52,7 @@ from .family_engines import (
     load_model_for_build,
     write_model_data,
 )
-from .flow_incremental import write_incremental_estimator
+from .flow_incremental import export_incremental_estimator, write_incremental_estimator
 from .ort_llm_batch import batch_graph_record, write_batched_llm
 from .ort_passes import rewrite_engine_graphs
 from .quantize import QUANTIZED_PRECISIONS, quantize_engines
@@ -227,6 +227,10 @@ def _write_engines(
     incremental = None
     if backend == "onnxruntime":  # streaming chunks over new frames only (CosyVoice2; None otherwise)
         incremental = write_incremental_estimator(model, staging, precision, progress=emit)
+    elif backend in ("openvino", "mixed"):  # the plain export, converted to IR with the other graphs
+        exported = export_incremental_estimator(model, staging, progress=emit)
+        if exported is not None:
+            results[exported[0].name] = exported[0]
     write_model_data(model, model_dir, staging)  # tables, fixed noise, preset speakers
     if backend == "tensorrt" and family_named(family).qwen_llm:  # batched decode across requests
         from .trt_llm_decode import export_llm_decode

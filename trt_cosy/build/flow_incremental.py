@@ -1,12 +1,17 @@
-"""The incremental streaming estimator ``flow_estimator_incremental.onnx`` (contract
+"""The incremental streaming estimator ``flow_estimator_incremental`` (contract
 ``graphs.FLOW_ESTIMATOR_INCREMENTAL``; CosyVoice3: ``graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3``) for
-the ONNX Runtime engines of CosyVoice2 and CosyVoice3.
+CosyVoice2 engines on ONNX Runtime, OpenVINO and mixed, and CosyVoice3 engines on ONNX Runtime.
 
-Exported beside the other graphs by ``trt-cosy build`` (onnxruntime backend, CosyVoice2 and 3),
-checked against torch like every graph, then given the estimators' treatment: Mish and GELU
-rewritten for ONNX Runtime (proven equal) and, for the int8/int4 precisions, dynamic int8 MatMuls.
-``add_incremental_estimator`` adds it to engines built before it existed. Engines without it still
-load: their streaming chunks recompute the flow from the start (``stages.flow``).
+Exported beside the other graphs by ``trt-cosy build`` and checked against torch like every graph
+(``export_incremental_estimator``). ONNX Runtime engines then give it the estimators' treatment
+(``write_incremental_estimator``): attention fused into ``MultiHeadAttention`` with the chunk mask
+as its bias, Mish and GELU rewritten for ONNX Runtime (``ort_passes.INCREMENTAL_REWRITES``, proven
+equal) and, for the int8/int4 precisions, dynamic int8 MatMuls. OpenVINO and mixed engines
+(CosyVoice2) convert the plain export to OpenVINO IR like their other estimators (``build.openvino``,
+``build.mixed``): in mixed engines it computes in bfloat16 with float16-stored weights, as the flow
+estimators (docs/benchmarks.md, "Mixed engines"). ``add_incremental_estimator`` adds it to engines
+of any of these backends built before it existed. Engines without it still load: their streaming
+chunks recompute the flow from the start (``stages.flow``).
 
 CosyVoice 1 has no chunk-attention estimator (its streaming recomputes with full attention): it
 keeps the recomputation. CosyVoice3's DiT graph is ``build.models.v3.dit_incremental``.
@@ -31,6 +36,7 @@ from ..config import ModelConfig
 from ..errors import InputError
 from ..models.v3 import graphs as graphs_v3
 from ..runtime import graphs
+from ..runtime.engines import MIXED_BACKEND, ORT_BACKEND, OV_BACKEND
 from ..runtime.graphs import GraphSpec
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest
 from ..runtime.model import LoadedModel
@@ -44,7 +50,9 @@ from .quantize import quantize_matmul_int8
 
 __all__ = [
     "INCREMENTAL_FILE",
+    "INCREMENTAL_BACKENDS",
     "incremental_export_plan",
+    "export_incremental_estimator",
     "write_incremental_estimator",
     "add_incremental_estimator",
 ]
@@ -52,6 +60,8 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 INCREMENTAL_FILE: Final = f"{graphs.FLOW_ESTIMATOR_INCREMENTAL.name}.onnx"
+# The engines that carry it (TensorRT engines do not yet: their streaming recomputes).
+INCREMENTAL_BACKENDS: Final = (ORT_BACKEND, OV_BACKEND, MIXED_BACKEND)
 _TOLERANCE: Final = 1e-4  # as the other estimators (export.TOLERANCES)
 
 Progress = Callable[[str], None]
@@ -101,37 +111,27 @@ def incremental_export_plan(
     )
 
 
-def write_incremental_estimator(
-    model: LoadedModel, out_dir: Path, precision: str, progress: Progress | None = None
-) -> tuple[Path, GraphRecord] | None:
-    """Export, rewrite and (int8/int4) quantise the incremental estimator into ``out_dir``.
-
-    Returns the graph file and its manifest record, or None where the family has none (v1).
-    """
+def export_incremental_estimator(
+    model: LoadedModel, out_dir: Path, progress: Progress | None = None
+) -> tuple[ExportResult, GraphPlan] | None:
+    """Export the plain incremental estimator to ``out_dir/flow_estimator_incremental.onnx``, checked
+    against torch (1e-4); return the export and its plan (feeds), or None where the family has none
+    (v1). OpenVINO and mixed engines convert this file to IR (``build.openvino``)."""
     graph = _incremental_graph(model)
     if graph is None:
         return None
     spec, module, plan = graph
-    out_dir = Path(out_dir)
-    path = out_dir / INCREMENTAL_FILE
     result = export_graph(
         spec,
         module,
         plan.sample,
-        path,
+        Path(out_dir) / INCREMENTAL_FILE,
         plan.dynamic_shapes,
         parity_inputs=plan.parity,
         tolerance=_TOLERANCE,
         progress=progress,
     )
-    _rewrite(path, [plan.sample, *plan.parity], progress)
-    if precision != "fp32":
-        start = time.perf_counter()
-        staged = path.with_name(f".{path.stem}.int8.onnx")
-        count = quantize_matmul_int8(path, staged)
-        staged.replace(path)
-        _emit(progress, f"{spec.name}: {count} MatMul weights -> int8 in {time.perf_counter() - start:.1f} s")
-    return path, _record(result, out_dir)
+    return result, plan
 
 
 def _incremental_graph(model: LoadedModel) -> tuple[GraphSpec, nn.Module, GraphPlan] | None:
@@ -150,6 +150,53 @@ def _incremental_graph(model: LoadedModel) -> tuple[GraphSpec, nn.Module, GraphP
         return None
     plan = incremental_export_plan(model.config, estimator)
     return graphs.FLOW_ESTIMATOR_INCREMENTAL, IncrementalEstimatorGraph(estimator), plan
+
+
+def write_incremental_estimator(
+    model: LoadedModel, out_dir: Path, precision: str, progress: Progress | None = None
+) -> tuple[Path, GraphRecord] | None:
+    """Export, rewrite and (int8/int4) quantise the incremental estimator of ONNX Runtime engines
+    into ``out_dir``.
+
+    Returns the graph file and its manifest record, or None where the family has none (v1).
+    """
+    exported = export_incremental_estimator(model, out_dir, progress)
+    if exported is None:
+        return None
+    result, plan = exported
+    out_dir, path = Path(out_dir), result.path
+    _rewrite(path, [plan.sample, *plan.parity], progress)
+    if precision != "fp32":
+        start = time.perf_counter()
+        staged = path.with_name(f".{path.stem}.int8.onnx")
+        count = quantize_matmul_int8(path, staged)
+        staged.replace(path)
+        message = f"{path.stem}: {count} MatMul weights -> int8 in {time.perf_counter() - start:.1f} s"
+        _emit(progress, message)
+    return path, _record(result, out_dir)
+
+
+def _write_incremental_ir(
+    model: LoadedModel, out_dir: Path, manifest: Manifest, progress: Progress | None
+) -> tuple[Path, GraphRecord] | None:
+    """The incremental estimator of OpenVINO or mixed engines (``manifest``) as OpenVINO IR in
+    ``out_dir``, stored as their builds store the flow estimators: float16 weights where it computes
+    in bfloat16 in mixed engines (``build.mixed``), float32 in OpenVINO engines (``build.engines``)."""
+    from ..runtime.openvino import graph_precisions
+    from .openvino import convert_engine_graphs
+
+    name = graphs.FLOW_ESTIMATOR_INCREMENTAL.name
+    if model.config.family != "v2":  # the IR path is built and tested for CosyVoice2's estimator only
+        return None
+    exported = export_incremental_estimator(model, out_dir, progress)
+    if exported is None:
+        return None
+    record = _record(exported[0], out_dir)  # I/O as exported, before the .onnx is replaced
+    mixed = manifest.backend == MIXED_BACKEND
+    fp16 = {name} if mixed and graph_precisions(manifest.precision, (name,))[name] == "bf16" else set()
+    files = convert_engine_graphs(out_dir, [name], manifest.precision, progress, fp16_weights=fp16)
+    record = dataclasses.replace(record, file=files[name], backend=OV_BACKEND if mixed else None)
+    return out_dir / files[name], record
 
 
 def _rewrite(path: Path, feeds: list[dict[str, np.ndarray]], progress: Progress | None) -> None:
@@ -182,26 +229,41 @@ def _emit(progress: Progress | None, message: str) -> None:
 
 
 def add_incremental_estimator(engines_dir: Path, model_dir: Path, progress: Progress | None = None) -> Path:
-    """Add ``flow_estimator_incremental.onnx`` to existing CosyVoice2/3 ONNX Runtime engines of this
-    version (built from ``model_dir``, checked by hash) and record it in the manifest."""
+    """Add the incremental estimator to existing engines of this version (CosyVoice2: ONNX Runtime,
+    OpenVINO or mixed; CosyVoice3: ONNX Runtime; built from ``model_dir``, checked by hash), as their build would write it
+    (``flow_estimator_incremental.onnx``, or OpenVINO IR ``.xml``/``.bin``), and record it in the manifest."""
     from .family_engines import load_model_for_build
 
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
-    manifest.check(engines_dir, Path(model_dir), backend="onnxruntime")
-    model = load_model_for_build(Path(model_dir))
-    written = write_incremental_estimator(model, engines_dir, manifest.precision, progress)
-    if written is None:
+    if manifest.backend not in INCREMENTAL_BACKENDS:
         raise InputError(
-            f"{model_dir} is a CosyVoice 1 release: only CosyVoice2 and CosyVoice3 have an incremental "
-            "streaming estimator."
+            f"{engines_dir} holds {manifest.backend} engines; the incremental streaming estimator is "
+            f"added to {', '.join(INCREMENTAL_BACKENDS)} engines only."
         )
-    path, record = written
+    manifest.check(engines_dir, Path(model_dir))
+    model = load_model_for_build(Path(model_dir))
+    # Written aside, then moved in: never through a hard link of engines this directory was copied from.
+    with tempfile.TemporaryDirectory(prefix=".incremental-", dir=engines_dir) as scratch:
+        if manifest.backend == ORT_BACKEND:
+            written = write_incremental_estimator(model, Path(scratch), manifest.precision, progress)
+        else:
+            written = _write_incremental_ir(model, Path(scratch), manifest, progress)
+        if written is None:
+            raise InputError(
+                f"{model_dir} has no incremental streaming estimator for {manifest.backend} engines: "
+                "CosyVoice2 has one on every CPU backend, CosyVoice3 on onnxruntime, CosyVoice 1 none."
+            )
+        for item in Path(scratch).iterdir():  # the graph and its weights (.onnx.data or .bin)
+            item.replace(engines_dir / item.name)
+    record = written[1]
     files = {
         item.relative_to(engines_dir).as_posix(): item.stat().st_size
         for item in sorted(engines_dir.rglob("*"))
         if item.is_file() and item.name != MANIFEST_NAME and item.relative_to(engines_dir).parts[0] != "plans"
     }
     graphs_ = {**manifest.graphs, graphs.FLOW_ESTIMATOR_INCREMENTAL.name: record}
-    dataclasses.replace(manifest, graphs=graphs_, files=files).write(engines_dir)
-    return path
+    with tempfile.TemporaryDirectory(prefix=".manifest-", dir=engines_dir) as scratch:
+        staged = dataclasses.replace(manifest, graphs=graphs_, files=files).write(Path(scratch))
+        staged.replace(engines_dir / MANIFEST_NAME)  # a new file, not a write through a hard link
+    return engines_dir / record.file

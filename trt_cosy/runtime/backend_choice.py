@@ -49,10 +49,10 @@ class CpuPick:
 # The CPU defaults, best first: the first whose hardware need this machine meets is picked. Measured
 # at full size on the 2-core Zen 4 machine (docs/benchmarks.md, "Mixed engines" and "Streaming",
 # 2026-12-01): mixed int4 (the ONNX Runtime int4 LLM, OpenVINO bf16 flow and fp32 HiFT) is 6 % faster
-# without streaming (RTF 0.825 vs 0.875, median of 3 alternating) but peaks at 2.05 GB against 1.30 GB,
-# and only ONNX Runtime engines carry the incremental streaming estimator (official streaming 1.71x
-# non-streaming instead of 2.50x). Streaming is what a server serves, so ONNX Runtime int4 stays the
-# default on every CPU; `--backend mixed` is one option away. A bf16-only pick goes first here once it wins
+# without streaming (RTF 0.825 vs 0.875, median of 3 alternating) but peaks at 2.05 GB against 1.30 GB.
+# Both carry the incremental streaming estimator now (mixed: bf16 on OpenVINO; docs/benchmarks.md,
+# "Mixed engines with the incremental streaming estimator"). ONNX Runtime int4 stays the default on
+# every CPU until mixed wins streaming and memory too; `--backend mixed` is one option away. A bf16-only pick goes first here once it wins
 # both ways (CpuPick(..., needs_bf16=True, ...)).
 CPU_PICKS: Final = (
     CpuPick("onnxruntime", "int4", False, "ONNX Runtime int4 is the fastest measured CPU engine"),

@@ -129,9 +129,9 @@ class V2Family(Family):
             step_loops=device_euler_loops(runners, config.flow),  # TensorRT step plans, when built
             incremental_runner=runners.get(graphs.FLOW_ESTIMATOR_INCREMENTAL.name),
         )
-        if flow.incremental_runner is None and model.backend == "onnxruntime":
+        if flow.incremental_runner is None and model.backend in ("onnxruntime", "openvino", "mixed"):
             _LOGGER.info(
-                "these engines have no %s.onnx: streaming chunks recompute the flow from the start; rebuild "
+                "these engines have no %s graph: streaming chunks recompute the flow from the start; rebuild "
                 "them (or add it with trt_cosy.build.flow_incremental.add_incremental_estimator) for "
                 "incremental chunks",
                 graphs.FLOW_ESTIMATOR_INCREMENTAL.name,
