@@ -225,9 +225,9 @@ def _write_engines(
     family = model.config.family
     results = export_family(model, staging, progress=emit)  # the family's graph set (BuildFamily.export)
     incremental = None
-    if backend == "onnxruntime":  # streaming chunks over new frames only (CosyVoice2; None otherwise)
+    if backend == "onnxruntime":  # streaming chunks over new frames only (CosyVoice2 and 3; None for v1)
         incremental = write_incremental_estimator(model, staging, precision, progress=emit)
-    elif backend in ("openvino", "mixed"):  # the plain export, converted to IR with the other graphs
+    elif backend in ("openvino", "mixed") and family == "v2":  # the plain export, to IR with the others
         exported = export_incremental_estimator(model, staging, progress=emit)
         if exported is not None:
             results[exported[0].name] = exported[0]
