@@ -32,7 +32,8 @@ from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import cuda, graphs
 from trt_cosy.runtime.cuda import gpu_unavailable_reason
-from trt_cosy.runtime.profiles import GraphProfiles, ProfileLimits, incremental_frames, incremental_profiles
+from trt_cosy.runtime.incremental_profiles import incremental_frames, incremental_profiles
+from trt_cosy.runtime.profiles import GraphProfiles, ProfileLimits
 from trt_cosy.stages.flow import FlowStage
 from trt_cosy.stages.flow_incremental import (
     DEFAULT_LIMIT_BYTES,

@@ -33,6 +33,7 @@ from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..models.registry import family_named
 from ..models.v1.config import V1ModelConfig
 from ..runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL
+from ..runtime.incremental_profiles import incremental_profiles
 from ..runtime.llm_decode import LLM_DECODE_NAME
 from ..runtime.manifest import file_sha256
 from ..runtime.profiles import (
@@ -40,7 +41,6 @@ from ..runtime.profiles import (
     GraphProfiles,
     ProfileLimits,
     default_profiles,
-    incremental_profiles,
     llm_decode_profiles,
     read_profiles,
     trt_graph_specs,

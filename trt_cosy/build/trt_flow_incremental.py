@@ -5,7 +5,7 @@ TensorRT engines of CosyVoice2: the plain export, without ONNX Runtime's rewrite
 exports (checked against torch like every graph); ``build.tensorrt.prepare_trt_graphs`` then gives it
 the estimators' treatment: ``flow_estimator_incremental.fp16.onnx`` with the same fp32 islands
 (``precision_policies``), its fp16-vs-fp32 error in ``tensorrt.json`` and its profiles over the new
-frames T and the cached frames P (``runtime.profiles.incremental_profiles``). The runtime's
+frames T and the cached frames P (``runtime.incremental_profiles``). The runtime's
 ``FlowStage`` drives the plan through the same ``FlowCache`` as on ONNX Runtime.
 """
 

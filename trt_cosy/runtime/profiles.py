@@ -33,8 +33,6 @@ __all__ = [
     "ProfileLimits",
     "step_profiles",
     "llm_decode_profiles",
-    "incremental_frames",
-    "incremental_profiles",
     "trt_graph_specs",
     "V1_FRAME_SLACK",
     "default_profiles",
@@ -222,7 +220,7 @@ class ProfileLimits:
     flow_cache_bytes: int | None = None
     """The streaming segment's ``FlowCache`` limit the incremental estimator's profiles cover (None:
     ``stages.flow_incremental.DEFAULT_LIMIT_BYTES``); its frames, capped at ``max_tokens``' frames,
-    bound the new and cached frames (``incremental_profiles``)."""
+    bound the new and cached frames (``runtime.incremental_profiles``)."""
 
 
 def _range(low: int, opt: int, high: int) -> tuple[int, int, int]:
@@ -270,67 +268,6 @@ def llm_decode_profiles(config: ModelConfig, limits: ProfileLimits | None = None
         profiles.append(ShapeProfile(f"decode_{high}", shapes))  # type: ignore[arg-type]
     result = GraphProfiles(LLM_DECODE_NAME, tuple(profiles))
     result.check_spec(llm_decode_spec(layers))
-    return result
-
-
-def incremental_frames(config: ModelConfig, limits: ProfileLimits | None = None) -> int:
-    """The most frames (cached + new) one incremental streaming call covers: what the segment's
-    ``FlowCache`` may hold under ``limits.flow_cache_bytes``, at most ``max_tokens``' frames."""
-    from ..stages.flow_incremental import DEFAULT_LIMIT_BYTES, cache_layout  # stages import this package
-
-    limits = limits or ProfileLimits()
-    estimator = config.flow.estimator
-    blocks, width, _ = cache_layout(estimator)
-    per_frame = config.flow.cfm.n_timesteps * blocks * 2 * width * 4  # FlowCache.bytes_per_frame
-    budget = DEFAULT_LIMIT_BYTES if limits.flow_cache_bytes is None else limits.flow_cache_bytes
-    frames = min(budget // per_frame, config.token_mel_ratio * limits.max_tokens)
-    return max(estimator.static_chunk_size + 1, frames)  # at least one chunk and a frame of the next
-
-
-def incremental_profiles(config: ModelConfig, limits: ProfileLimits | None = None) -> GraphProfiles:
-    """``flow_estimator_incremental`` (CosyVoice2): the new frames T and the cached frames P.
-
-    ``chunk``: the official schedule's hops after a voice prompt prefix: T 1 / 2·``MAX_HOP`` /
-    2·``MAX_HOP`` frames (a 100-token hop; a first chunk after the prefix is at most 2·(50 + 25)),
-    P 0 / half of ``stream_tokens``' frames / the cache limit. ``long``: everything else a segment within
-    the cache limit asks (a voice prefix or a first chunk over the whole prompt at P = 0, the
-    ``fast`` schedule's growing hops): T 1 / a quarter of ``stream_tokens``' frames / F, P 0 / 0 / the
-    cache limit, F = ``incremental_frames``. P is a multiple of the 50-frame chunk below F, so every
-    call over at most F frames fits ``long`` (``stages.flow.FlowStage`` stops the cache beyond it).
-    """
-    from ..stages.flow_incremental import cache_layout
-    from ..streaming import MAX_HOP
-    from .graphs import FLOW_ESTIMATOR_INCREMENTAL
-
-    limits = limits or ProfileLimits()
-    mels, ratio = config.flow.output_size, config.token_mel_ratio
-    blocks, width, channels = cache_layout(config.flow.estimator)
-    chunk = config.flow.estimator.static_chunk_size
-    frames = incremental_frames(config, limits)
-    cached = (frames - 1) // chunk * chunk  # the largest P of a call over at most ``frames`` frames
-
-    def profile(name: str, new: tuple[int, int, int], past: tuple[int, int, int]) -> ShapeProfile:
-        wide = tuple((2, mels, t) for t in new)  # [2, 80, T]: the CFG pair
-        shapes = {
-            "x": wide,
-            "mu": wide,
-            "t": ((2,),) * 3,
-            "spks": ((2, mels),) * 3,
-            "cond": wide,
-            "past_blocks": tuple((p, blocks, 2, width) for p in past),  # [P, L, 2, D]
-            "past_tails": ((2, channels, 2),) * 3,  # [2, C, 2]
-        }
-        return ShapeProfile(name, shapes)  # type: ignore[arg-type]
-
-    hop = min(ratio * MAX_HOP, frames)
-    result = GraphProfiles(
-        FLOW_ESTIMATOR_INCREMENTAL.name,
-        (
-            profile("chunk", (1, hop, hop), _range(0, ratio * limits.stream_tokens // 2, cached)),
-            profile("long", _range(1, ratio * limits.stream_tokens // 4, frames), (0, 0, cached)),
-        ),
-    )
-    result.check_spec(FLOW_ESTIMATOR_INCREMENTAL)
     return result
 
 

@@ -234,7 +234,7 @@ class VoicePrefixes:
 
 def incremental_frame_limit(runner: Runner | None, chunk: int) -> int | None:
     """The most frames (cached + new) every call of ``runner`` may cover, from its TensorRT profiles
-    (``runtime.profiles.incremental_profiles``): for each profile taking P = 0 and T = 1, the frames F
+    (``runtime.incremental_profiles``): for each profile taking P = 0 and T = 1, the frames F
     with T = F - P and P (a multiple of ``chunk`` below F) both inside it; the best of them. None for a
     runner without profiles (ONNX Runtime: any shape)."""
     profiles = getattr(runner, "profiles", None)
