@@ -14,6 +14,7 @@ from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.errors import EngineMismatchError, InputError, ModelDirError
+from trt_cosy.runtime import heap
 from trt_cosy.runtime.base import Runner
 from trt_cosy.runtime.ort import OrtRunner, default_threads
 
@@ -107,6 +108,14 @@ def test_shared_runner_across_threads(runner):
     for one, other in zip(serial, parallel, strict=True):
         for key in runner.output_names:
             np.testing.assert_array_equal(one[key], other[key])
+
+
+def test_loading_returns_the_freed_heap_pages(tmp_path, monkeypatch):
+    """The model bytes and pre-prepacking copies freed by a session load go back to the OS at once."""
+    calls = []
+    monkeypatch.setattr(heap, "release_free", lambda: calls.append(True) or True)
+    OrtRunner.from_path(_write_lookup_model(tmp_path / "lookup.onnx"), "lookup", threads=1)
+    assert calls == [True]
 
 
 def test_missing_and_corrupt_files(tmp_path):

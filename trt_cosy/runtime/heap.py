@@ -10,6 +10,11 @@ numpy temporaries) so keeps its high-water mark for good. A fixed threshold make
 Smaller blocks still fragment the per-thread heaps: after eight long requests are cancelled
 mid-render, hundreds of MiB sit free inside them. ``trim`` (glibc ``malloc_trim(0)``) gives those
 pages back; once ``return_large_blocks`` is on, every request calls it when it ends.
+
+``release_free`` is the same ``malloc_trim(0)`` without that switch, for one-off points where a
+process has just freed a lot, e.g. after ONNX Runtime created a session: the model file's bytes and
+the initializers it copied before prepacking (~130 MiB for a full-size CosyVoice3 DiT) are free by
+then but stay resident in the heap otherwise.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ import logging
 import sys
 from typing import Final
 
-__all__ = ["return_large_blocks", "trim", "DEFAULT_MMAP_THRESHOLD"]
+__all__ = ["return_large_blocks", "trim", "release_free", "DEFAULT_MMAP_THRESHOLD"]
 
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_MMAP_THRESHOLD: Final = 128 * 1024  # glibc's initial value, kept fixed
 _M_MMAP_THRESHOLD: Final = -3  # from <malloc.h>
 _TRIM: list = []  # [libc] once return_large_blocks succeeded: trim() is on
+_LIBC_TRIM: list = []  # [malloc_trim or None] once looked up, for release_free
 
 
 def return_large_blocks(threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
@@ -54,3 +60,19 @@ def trim() -> bool:
     if not _TRIM:
         return False
     return bool(_TRIM[0].malloc_trim(0))
+
+
+def release_free() -> bool:
+    """``malloc_trim(0)`` now, whatever ``return_large_blocks`` says: False where not glibc (or
+    nothing was returned). Costs a walk over the heap's free blocks (milliseconds)."""
+    if not _LIBC_TRIM:
+        function = None
+        if sys.platform.startswith("linux"):
+            try:
+                function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+                function.argtypes = (ctypes.c_size_t,)
+            except (OSError, AttributeError):  # musl and others have no malloc_trim
+                function = None
+        _LIBC_TRIM.append(function)
+    function = _LIBC_TRIM[0]
+    return bool(function(0)) if function is not None else False
