@@ -41,3 +41,23 @@ def test_trim_returns_the_free_holes_of_a_threads_heap():
     after = _rss_mib()
     assert before - after > 100, f"RSS {before:.0f} -> {after:.0f} MiB"
     assert len(kept) == 2000
+
+
+def test_trim_now_returns_free_pages_without_the_server_setting():
+    kept: list[np.ndarray] = []
+
+    def fragment() -> None:  # the test above's holes, in a fresh thread's heap
+        large = []
+        for _ in range(2000):
+            large.append(np.ones(100 * 1024 // 8))
+            kept.append(np.ones(16))
+        large.clear()
+
+    worker = threading.Thread(target=fragment)
+    worker.start()
+    worker.join()
+    before = _rss_mib()
+    if not heap.trim_now():
+        pytest.skip("not glibc: no malloc_trim")
+    after = _rss_mib()
+    assert before - after > 100, f"RSS {before:.0f} -> {after:.0f} MiB"

@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Final
 
-__all__ = ["return_large_blocks", "trim", "DEFAULT_MMAP_THRESHOLD"]
+__all__ = ["return_large_blocks", "trim", "trim_now", "DEFAULT_MMAP_THRESHOLD"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -54,3 +54,18 @@ def trim() -> bool:
     if not _TRIM:
         return False
     return bool(_TRIM[0].malloc_trim(0))
+
+
+def trim_now() -> bool:
+    """``malloc_trim(0)`` once, whether or not ``return_large_blocks`` is on: a benchmark between its
+    phases, so that the next phase's peak starts from the memory in use, not from freed pages that
+    glibc kept. False where there is no glibc ``malloc_trim``."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        malloc_trim = libc.malloc_trim
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return False
+    malloc_trim.argtypes = (ctypes.c_size_t,)
+    return bool(malloc_trim(0))
