@@ -34,6 +34,7 @@ from pathlib import Path
 import soundfile
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
+from trt_cosy.runtime import heap
 from trt_cosy.stages.flow_incremental import FlowCache
 from trt_cosy.streaming import FAST_SCHEDULE, OFFICIAL_SCHEDULE
 
@@ -83,6 +84,7 @@ def _voice(tts: CosyVoice, seconds: float):
 
 
 def _run(tts: CosyVoice, voice, text: str, config: SynthesisConfig, seed: int, watch: _CacheWatch) -> dict:
+    heap.trim_now()  # freed pages of the earlier runs go back: the request's peak starts from live memory
     rss_before = _status_gb("VmRSS")
     _CLEAR_REFS.write_text("5")  # VmHWM restarts from the current RSS: the request's own peak
     watch.reset()

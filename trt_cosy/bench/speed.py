@@ -26,10 +26,11 @@ Every measurement runs on one set of stages, the API's (``families.build_stages`
 the shared decode loop, which costs what the per-request graph does at batch 1), so the process holds
 the sessions a user's process holds, once. The non-streaming runs (warm-up included) come first, then
 the streaming rounds. ``peak_rss_gb`` is the process's peak resident set up to the end of the
-non-streaming runs; ``peak_rss_stream_gb`` the peak during the streaming rounds (Linux: the peak is
-restarted from the resident set at their start, ``rss_before_stream_gb``; elsewhere the process's peak),
-and ``stream_memory`` per reference length: the peak, the largest ``FlowCache.nbytes`` at a first chunk
-and ``VoicePrefixes.nbytes`` after the voice's two requests.
+non-streaming runs; ``peak_rss_stream_gb`` the peak during the streaming rounds (Linux: glibc's free
+pages go back and the peak restarts from the resident set before each voice, ``rss_before_stream_gb``
+at the first; elsewhere the process's peak), and ``stream_memory`` per reference length: the peak
+(largest over the rounds; ONNX Runtime's arena growth of an earlier, longer voice stays resident), the
+largest ``FlowCache.nbytes`` at a first chunk and ``VoicePrefixes.nbytes`` after the voice's two requests.
 
 Never use these timings as test assertions: CI runs only a smoke run on the tiny model.
 """
@@ -53,6 +54,7 @@ import numpy as np
 from ..errors import InputError
 from ..families import build_stages, request_class
 from ..frontend.voice import Voice
+from ..runtime import heap
 from ..runtime.engines import TOKENIZER_DIR, load_engines
 from ..runtime.manifest import Manifest
 from ..runtime.model import LoadedModel
@@ -217,6 +219,7 @@ def _stream_round(
     for seconds in options.stream_references:
         voice = _bench_voice(stages, inputs, seconds, options.seed)
         prefixes.clear()  # a voice's first request: it computes the voice's prompt prefix
+        heap.trim_now()  # the earlier voice's freed pages go back: this voice's peak starts from live memory
         _reset_peak_rss()
         first_new, cache_new = _first_audio(stages, inputs, voice, options)
         first, cache = _first_audio(stages, inputs, voice, options)
@@ -360,6 +363,7 @@ def run_bench(
     peak_rss = _peak_rss_gb()
     stream_report: dict[str, Any] = {}
     if options.stream:
+        heap.trim_now()
         stream_report["rss_before_stream_gb"] = _rss_gb()
         restarted = _reset_peak_rss()
         memory: dict[str, dict[str, float]] = {}
