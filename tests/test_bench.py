@@ -27,7 +27,10 @@ def test_bench_report(engines):
     options = BenchOptions(tokens=32, runs=2, warmup=1, stream=True, cold_start=True, threads=1)
     lines = []
     report = run_bench(engines, options, progress=lines.append)
-    assert len(lines) == 4  # 1 warm-up, 2 runs, the cold start
+    assert len(lines) == 7  # 1 warm-up and 2 runs without streaming, then streaming, then the cold start
+    assert [line.split(":")[0] for line in lines[:6]] == [
+        "warm-up", "run 1/2", "run 2/2", "streaming warm-up", "streaming run 1/2", "streaming run 2/2"
+    ]
     metrics = report["metrics"]
     # through a Request on the API's stages: a voice's first request and a repeat request
     first_audio = tuple(f"first_audio{kind}_ref{seconds}s" for kind in ("", "_new_voice") for seconds in (3, 5, 10))
@@ -42,6 +45,57 @@ def test_bench_report(engines):
     json.dumps(report)  # JSON-ready
     assert "llm_decode_tokens_per_s" in format_bench(report)
     assert "LLM worker" in report["streaming"]
+
+
+def _incremental_bytes_per_frame(engines: Path) -> int:
+    from trt_cosy.runtime.engines import load_engines
+    from trt_cosy.stages.flow_incremental import FlowCache
+
+    config = load_engines(engines, threads=1).config.flow
+    return FlowCache(config.estimator, config.cfm.n_timesteps).bytes_per_frame
+
+
+def test_bench_reports_streaming_memory_apart(engines):
+    """Peak RSS of the non-streaming runs and of the streaming rounds, and what the streaming state holds."""
+    from trt_cosy.runtime.manifest import Manifest
+
+    assert "flow_estimator_incremental" in Manifest.read(engines).graphs  # the tiny build has it
+    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1)
+    report = run_bench(engines, options)
+    assert 0 < report["peak_rss_gb"] and 0 < report["rss_before_stream_gb"] <= report["peak_rss_stream_gb"]
+    assert report["peak_rss_stream_scope"] == "streaming rounds"  # Linux: the peak restarts there
+    memory = report["stream_memory"]
+    assert list(memory) == ["ref3s", "ref5s", "ref10s"]
+    per_frame = _incremental_bytes_per_frame(engines) / 2**20
+    for seconds in (3, 5, 10):
+        entry = memory[f"ref{seconds}s"]
+        # the first chunk's cache holds at least the voice's prompt frames; one voice's prefix is kept
+        assert entry["flow_cache_mib"] >= 0.9 * 50 * seconds * per_frame, entry
+        assert 0 < entry["voice_prefixes_mib"] < entry["flow_cache_mib"], entry
+        assert entry["peak_rss_gb"] <= report["peak_rss_stream_gb"]
+    assert memory["ref10s"]["voice_prefixes_mib"] > memory["ref3s"]["voice_prefixes_mib"]
+    text = format_bench(report)
+    assert "peak_rss_stream_gb" in text and "ref10s: peak" in text
+
+
+def test_bench_holds_one_set_of_sessions(engines):
+    """The timed stages are the API's: with the batched decode graph the per-request LLM graph is never
+    created, and the streaming rounds reuse the stages the non-streaming runs timed."""
+    import numpy as np
+
+    from trt_cosy.bench import speed
+    from trt_cosy.runtime.engines import load_engines
+    from trt_cosy.stages.llm_batch import BatchedLLMStage
+
+    model = load_engines(engines, threads=1)
+    stages = speed._Stages(model)
+    assert isinstance(stages.llm, BatchedLLMStage)
+    assert stages.llm is stages.api.llm and stages.flow is stages.api.flow
+    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1)
+    inputs = speed._inputs(model, engines, options)
+    speed._one_run(stages, inputs, options, np.random.default_rng(0))
+    speed._stream_round(stages, inputs, options, {})
+    assert not model.runners["llm"].loaded  # only llm_batch holds LLM weights
 
 
 def test_bench_main_writes_json(engines, tmp_path, capsys):
@@ -61,6 +115,7 @@ def test_bench_main_writes_json(engines, tmp_path, capsys):
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert report["streaming"] == "not measured" and "cold_start_s" not in report
+    assert report["peak_rss_gb"] > 0 and "peak_rss_stream_gb" not in report and "stream_memory" not in report
     assert "rtf" in capsys.readouterr().out
 
 

@@ -152,6 +152,11 @@ class Request:
         self._audio_s = 0.0
         self._flow_cache: FlowCache | None = None
 
+    @property
+    def flow_cache(self) -> FlowCache | None:
+        """The current segment's incremental flow cache (None unless streaming with the incremental graph)."""
+        return self._flow_cache
+
     def cancel(self) -> None:
         """Stop the work soon, from any thread: the LLM after its current step, a running flow or
         vocoder graph at its next node (backends that can abort a run); the generator then ends."""
@@ -330,6 +335,11 @@ class CancellableChunks(Iterator[AudioChunk]):
 
     def __next__(self) -> AudioChunk:
         return next(self._chunks)
+
+    @property
+    def flow_cache(self) -> FlowCache | None:
+        """The current segment's incremental flow cache (None unless streaming with the incremental graph)."""
+        return self._flow_cache
 
     def cancel(self) -> None:
         """Stop the work soon (thread-safe, idempotent)."""

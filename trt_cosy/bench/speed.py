@@ -19,7 +19,18 @@ call over prompt + those tokens, a non-final HiFT call). Each voice is timed twi
 request (``first_audio_ref*``: the prefix comes from ``FlowStage.voice_prefixes``, as for every later
 request of a known voice; engines without the incremental estimator recompute both times).
 Cold start is a fresh ``python -m trt_cosy.bench.speed --ready`` process, from spawn until its engines
-are loaded and its stages built. Peak RSS is this process's maximum resident set.
+are loaded and its stages built.
+
+Every measurement runs on one set of stages, the API's (``families.build_stages``: what
+``CosyVoice``, ``trt-cosy say`` and ``serve`` hold; with the batched decode graph the LLM decodes in
+the shared decode loop, which costs what the per-request graph does at batch 1), so the process holds
+the sessions a user's process holds, once. The non-streaming runs (warm-up included) come first, then
+the streaming rounds. ``peak_rss_gb`` is the process's peak resident set up to the end of the
+non-streaming runs; ``peak_rss_stream_gb`` the peak during the streaming rounds (Linux: glibc's free
+pages go back and the peak restarts from the resident set before each voice, ``rss_before_stream_gb``
+at the first; elsewhere the process's peak), and ``stream_memory`` per reference length: the peak
+(largest over the rounds; ONNX Runtime's arena growth of an earlier, longer voice stays resident), the
+largest ``FlowCache.nbytes`` at a first chunk and ``VoicePrefixes.nbytes`` after the voice's two requests.
 
 Never use these timings as test assertions: CI runs only a smoke run on the tiny model.
 """
@@ -41,8 +52,9 @@ from typing import Any, Final
 import numpy as np
 
 from ..errors import InputError
-from ..families import build_stages
+from ..families import build_stages, request_class
 from ..frontend.voice import Voice
+from ..runtime import heap
 from ..runtime.engines import TOKENIZER_DIR, load_engines
 from ..runtime.manifest import Manifest
 from ..runtime.model import LoadedModel
@@ -95,23 +107,29 @@ class _Inputs:
 
 
 class _Stages:
-    """The stages timed one by one, and (``api``) the stages ``CosyVoice`` serves streaming requests with."""
+    """The API's stages (``families.build_stages``, as ``CosyVoice`` holds them), timed one by one and
+    through streaming requests: one set of sessions for every measurement, as in a user's process."""
 
-    def __init__(self, model: LoadedModel, stream: bool = False):
-        runners, config = model.runners, model.config
+    def __init__(self, model: LoadedModel):
+        config = model.config
         self.config = config
-        self.llm = LLMStage(runners["llm"], model.llm_tables, config.llm)
-        self.flow = FlowStage(
-            runners["flow_encoder"],
-            runners["flow_estimator"],
-            runners["flow_estimator_stream"],
-            model.flow_noise,
-            config.flow,
-        )
-        self.vocoder = VocoderStage(runners["hift"], config.hift)
+        self.api = build_stages(model)  # the shared decode loop, the incremental flow, its voice prefixes
+        if not hasattr(self.api, "flow"):
+            raise InputError(
+                f"trt-cosy bench times CosyVoice2/3 engines; {config.family} engines have no separate flow "
+                "stage. Time them with `trt-cosy say` instead."
+            )
+        self.llm: LLMStage = self.api.llm
+        self.flow: FlowStage = self.api.flow
+        self.vocoder = self.api.vocoder  # VocoderStage (CosyVoice2) or V3VocoderStage
         self.sample_rate = config.sample_rate
-        # The API's stages: the shared batched decode loop, the incremental flow and its voice prefixes.
-        self.api = build_stages(model) if stream else None
+        self.request_class = request_class(config.family)
+
+    def render(self, mel: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """One-shot HiFT on ``mel`` [1, 80, F]: samples [1, 480 F] (CosyVoice3: the fixed NSF noise)."""
+        if isinstance(self.vocoder, VocoderStage):
+            return self.vocoder.render(mel, rng)
+        return self.vocoder.render(mel)
 
 
 def _no_stop_greedy(stop_tokens: Sequence[int]) -> Callable[[np.ndarray, Sequence[int]], int]:
@@ -174,11 +192,11 @@ def _one_run(
     ).mel  # mel: [1, 80, 2n]
     flow_s = time.perf_counter() - start
     start = time.perf_counter()
-    wav = stages.vocoder.render(mel, rng)  # wav: [1, 480 * 2n]
+    wav = stages.render(mel, rng)  # wav: [1, 480 * 2n]
     hift_s = time.perf_counter() - start
     audio_s = wav.shape[1] / stages.sample_rate
     decode_tokens = max(tokens.size - 1, 1)
-    result = {
+    return {
         "tokens": float(tokens.size),
         "llm_prefill_s": prefill,
         "llm_decode_tokens_per_s": decode_tokens / max(llm_s - prefill, 1e-9),
@@ -189,13 +207,32 @@ def _one_run(
         "audio_s": audio_s,
         "rtf": (llm_s + flow_s + hift_s) / audio_s,
     }
-    if options.stream:
-        prefixes = stages.api.flow.voice_prefixes
-        for seconds in options.stream_references:
-            voice = _bench_voice(stages, inputs, seconds, options.seed)
-            prefixes.clear()  # a voice's first request: it computes the voice's prompt prefix
-            result[f"first_audio_new_voice_ref{seconds:g}s"] = _first_audio(stages, inputs, voice, options)
-            result[f"first_audio_ref{seconds:g}s"] = _first_audio(stages, inputs, voice, options)
+
+
+def _stream_round(
+    stages: _Stages, inputs: _Inputs, options: BenchOptions, memory: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """First audio of each reference voice: its first request, then a repeat. ``memory`` (per
+    ``ref{s}s``) keeps the largest peak RSS, first-chunk flow cache and voice prefixes seen."""
+    result = {}
+    prefixes = stages.flow.voice_prefixes
+    for seconds in options.stream_references:
+        voice = _bench_voice(stages, inputs, seconds, options.seed)
+        prefixes.clear()  # a voice's first request: it computes the voice's prompt prefix
+        heap.release_free()  # the earlier voice's freed pages go back: this voice's peak starts from live memory
+        _reset_peak_rss()
+        first_new, cache_new = _first_audio(stages, inputs, voice, options)
+        first, cache = _first_audio(stages, inputs, voice, options)
+        result[f"first_audio_new_voice_ref{seconds:g}s"] = first_new
+        result[f"first_audio_ref{seconds:g}s"] = first
+        seen = {
+            "peak_rss_gb": _peak_rss_gb(),
+            "flow_cache_mib": max(cache_new, cache) / 2**20,
+            "voice_prefixes_mib": prefixes.nbytes / 2**20,
+        }
+        entry = memory.setdefault(f"ref{seconds:g}s", {})
+        for key, value in seen.items():
+            entry[key] = max(entry.get(key, 0.0), value)
     return result
 
 
@@ -215,24 +252,28 @@ def _bench_voice(stages: _Stages, inputs: _Inputs, seconds: float, seed: int) ->
     )
 
 
-def _first_audio(stages: _Stages, inputs: _Inputs, voice: Voice, options: BenchOptions) -> float:
-    """Seconds from the start of a streaming request to its first chunk (the API's path, spec §6.1)."""
-    from ..pipeline import Request
+def _first_audio(stages: _Stages, inputs: _Inputs, voice: Voice, options: BenchOptions) -> tuple[float, int]:
+    """(seconds from the start of a streaming request to its first chunk (the API's path, spec §6.1),
+    bytes of the segment's ``FlowCache`` then (0 without the incremental flow))."""
     from ..synthesis import Segment
 
     segment = Segment("bench", inputs.text)
-    request = Request(stages.api, stages.config, [segment], voice, options.seed, True, options.tokens)
+    request = stages.request_class(
+        stages.api, stages.config, [segment], voice, options.seed, True, options.tokens
+    )
     request.sampler = _no_stop_greedy(stages.llm.config.stop_tokens)  # every run decodes as many tokens
     start = time.perf_counter()
     chunks = request.chunks()
     try:
         first = next(chunks)
+        elapsed = time.perf_counter() - start
+        cache = request.flow_cache
+        cache_bytes = 0 if cache is None else cache.nbytes
     finally:
         chunks.close()
-    elapsed = time.perf_counter() - start
     if first.samples.size == 0:
         raise InputError("the first streaming chunk produced no audio; use a longer --tokens.")
-    return elapsed
+    return elapsed, cache_bytes
 
 
 def _summary(values: Sequence[float]) -> dict[str, float]:
@@ -255,8 +296,46 @@ def _cold_start(engines_dir: Path, threads: int | None) -> dict[str, float]:
     return {"seconds": elapsed, "rss_gb": float(line.split()[1])}
 
 
+_STATUS: Final = Path("/proc/self/status")
+_CLEAR_REFS: Final = Path("/proc/self/clear_refs")
+
+
+def _status_gb(field: str) -> float | None:
+    """``field`` (``VmRSS``, ``VmHWM``) of /proc/self/status in GB (GiB), or None where there is none."""
+    try:
+        lines = _STATUS.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024**2  # kB
+    return None
+
+
 def _peak_rss_gb() -> float:
+    """This process's peak resident set since it started or since ``_reset_peak_rss``, in GB."""
+    peak = _status_gb("VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss is in KiB on Linux
+
+
+def _rss_gb() -> float:
+    """This process's resident set now, in GB (the peak where /proc is missing)."""
+    rss = _status_gb("VmRSS")
+    return rss if rss is not None else _peak_rss_gb()
+
+
+def _reset_peak_rss() -> bool:
+    """Restart the peak (``VmHWM``) from the current resident set (Linux: ``5`` to /proc/self/clear_refs);
+    False where that is not possible (the peak then stays the process's)."""
+    if _status_gb("VmHWM") is None:
+        return False
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def run_bench(
@@ -271,17 +350,34 @@ def run_bench(
     manifest = Manifest.read(engines_dir)
     start = time.perf_counter()
     model = load_engines(engines_dir, threads=options.threads, backend="auto")
-    stages = _Stages(model, stream=options.stream)
+    stages = _Stages(model)
     load_s = time.perf_counter() - start
     inputs = _inputs(model, engines_dir, options)
     rng = np.random.default_rng(options.seed)
     runs = []
     for index in range(options.warmup + options.runs):
-        label = "warm-up" if index < options.warmup else f"run {index - options.warmup + 1}/{options.runs}"
         result = _one_run(stages, inputs, options, rng)
-        emit(f"{label}: " + ", ".join(f"{key} {value:.3g}" for key, value in result.items()))
+        emit(f"{_label(index, options)}: " + ", ".join(f"{key} {value:.3g}" for key, value in result.items()))
         if index >= options.warmup:
             runs.append(result)
+    peak_rss = _peak_rss_gb()
+    stream_report: dict[str, Any] = {}
+    if options.stream:
+        heap.release_free()
+        stream_report["rss_before_stream_gb"] = _rss_gb()
+        restarted = _reset_peak_rss()
+        memory: dict[str, dict[str, float]] = {}
+        for index in range(options.warmup + options.runs):
+            result = _stream_round(stages, inputs, options, memory)
+            emit(
+                f"streaming {_label(index, options)}: "
+                + ", ".join(f"{key} {value:.3g}" for key, value in result.items())
+            )
+            if index >= options.warmup:
+                runs[index - options.warmup].update(result)
+        stream_report["peak_rss_stream_gb"] = max(entry["peak_rss_gb"] for entry in memory.values())
+        stream_report["peak_rss_stream_scope"] = "streaming rounds" if restarted else "whole process"
+        stream_report["stream_memory"] = memory
     report = {
         "engines": str(engines_dir),
         "precision": manifest.precision,
@@ -293,7 +389,8 @@ def run_bench(
         "load_in_process_s": load_s,
         "metrics": {key: _summary([run[key] for run in runs]) for key in runs[0]},
         "runs": runs,
-        "peak_rss_gb": _peak_rss_gb(),
+        "peak_rss_gb": peak_rss,
+        **stream_report,
     }
     if options.cold_start:
         cold = [_cold_start(engines_dir, options.threads) for _ in range(min(options.runs, 3))]
@@ -306,6 +403,10 @@ def run_bench(
         else "not measured"
     )
     return report
+
+
+def _label(index: int, options: BenchOptions) -> str:
+    return "warm-up" if index < options.warmup else f"run {index - options.warmup + 1}/{options.runs}"
 
 
 def _machine() -> dict[str, Any]:
@@ -350,7 +451,17 @@ def format_bench(report: dict[str, Any]) -> str:
         lines.append(
             f"{'cold_start_s':28s} {stats['median']:10.3f} {stats['min']:10.3f} {stats['max']:10.3f}"
         )
-    lines.append(f"{'peak_rss_gb':28s} {report['peak_rss_gb']:10.3f}")
+    lines.append(f"{'peak_rss_gb':28s} {report['peak_rss_gb']:10.3f}   (load and non-streaming runs)")
+    if "peak_rss_stream_gb" in report:
+        lines.append(
+            f"{'peak_rss_stream_gb':28s} {report['peak_rss_stream_gb']:10.3f}   "
+            f"({report['peak_rss_stream_scope']}; {report['rss_before_stream_gb']:.3f} GB resident before them)"
+        )
+        for name, entry in report["stream_memory"].items():
+            lines.append(
+                f"  {name}: peak {entry['peak_rss_gb']:.3f} GB, flow cache at the first chunk "
+                f"{entry['flow_cache_mib']:.0f} MiB, voice prefixes {entry['voice_prefixes_mib']:.0f} MiB"
+            )
     lines.append(f"streaming: {report['streaming']}")
     return "\n".join(lines)
 
