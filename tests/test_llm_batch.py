@@ -305,7 +305,8 @@ def _may_raise_priority() -> bool:
 
     def probe() -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), llm_batch.DECODE_NICE)
+            own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), own + llm_batch.DECODE_NICE)
             result.append(True)
         except PermissionError:
             result.append(False)
@@ -330,12 +331,45 @@ def test_decode_steps_run_at_the_decode_priority_and_none_leaves_it(model, v2_re
     monkeypatch.setattr(stepper, "step", recording)
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
     list(stage.generate(*args, greedy_sample, max_new_tokens=4))
-    expected = llm_batch.DECODE_NICE if _may_raise_priority() else os.getpriority(os.PRIO_PROCESS, 0)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    expected = own + llm_batch.DECODE_NICE if _may_raise_priority() else own
     assert seen and set(seen) == {expected}
     stage.scheduler.priority = None  # back to the process's own nice value at the next admission
     seen.clear()
     list(stage.generate(*args, greedy_sample, max_new_tokens=4))
-    assert seen and set(seen) == {0}
+    assert seen and set(seen) == {own}
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities need POSIX os.setpriority")
+def test_decode_priority_is_relative_to_a_niced_process(model, v2_reference, monkeypatch):
+    """A process started with ``nice`` decodes at its own nice value + DECODE_NICE, never at an absolute
+    priority above the one it was given."""
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def niced() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 7)  # raising nice needs no right
+            stage = _batched(model, slots=2)
+            stepper = stage.scheduler._stepper
+            real_step = stepper.step
+
+            def recording(inputs):
+                seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                return real_step(inputs)
+
+            monkeypatch.setattr(stepper, "step", recording)
+            args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
+            list(stage.generate(*args, greedy_sample, max_new_tokens=4))
+        except BaseException as exc:  # reported in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=niced)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    expected = 7 + llm_batch.DECODE_NICE if _may_raise_priority() else 7
+    assert seen and set(seen) == {expected}
 
 
 def test_failed_step_fails_its_rows_and_the_loop_serves_the_next(model, v2_reference, monkeypatch):

@@ -48,7 +48,7 @@ DEFAULT_SLOTS: Final = 8
 DEFAULT_POSITIONS: Final = 2048  # cached positions per slot (prompt + speech tokens)
 _END: Final = object()
 _IDLE_EXIT_S: Final = 30.0  # an idle loop ends its thread (the next request starts a new one)
-DECODE_NICE: Final = -5  # the decode threads' nice value where the process may raise priority
+DECODE_NICE: Final = -5  # decode threads' nice value, relative to the process's (where it may raise it)
 
 
 class _Row:
@@ -123,7 +123,10 @@ class DecodeScheduler:
         first chunks render as rows decode (one request alone: the same as "any"; several: the
         others keep decoding), "never"."""
         self.priority: int | None = DECODE_NICE
-        """Nice value of the decode threads (the loop and ``pool_threads``); None: leave them alone."""
+        """Nice value of the decode threads (the loop and ``pool_threads``) relative to the nice value of
+        the thread that made this loop (a process started with ``nice -n 19`` decodes at 14, never above
+        the priority it was given); None: that nice value itself."""
+        self._base_nice = _own_nice()
         self.pool_threads: tuple[int, ...] = ()
         """Native ids of the batched session's intra-op threads (they run the steps with the loop)."""
         self._applied: int | None = None
@@ -227,7 +230,8 @@ class DecodeScheduler:
         """Give the decode threads ``priority`` (a lower nice value than the renders' 0 lets a step
         preempt a render at once instead of waiting for its time slice). Without the right to raise
         priority (``CAP_SYS_NICE`` or ``RLIMIT_NICE``) the threads keep theirs."""
-        nice = 0 if self.priority is None else self.priority
+        nice = self._base_nice if self.priority is None else self._base_nice + self.priority
+        nice = min(max(nice, -20), 19)
         self._applied = self.priority
         for thread_id in (threading.get_native_id(), *self.pool_threads):
             try:
@@ -387,3 +391,11 @@ class BatchedLLMStage(LLMStage):
                 elapsed,
                 lm_input.shape[1],
             )
+
+
+def _own_nice() -> int:
+    """The calling thread's nice value (0 where the platform has no ``os.getpriority``)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return 0
