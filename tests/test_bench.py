@@ -193,3 +193,15 @@ def test_concurrency_bench_report(engines):
     assert report["scheduler"]["batched"]["steps"] > 0
     json.dumps(report)
     assert "decode tok/s" in format_concurrency(report)
+
+
+def test_bench_streams_cosyvoice3_engines(tmp_path_factory):
+    """CosyVoice3 engines stream through their own request and vocoder (causal HiFT) in the bench."""
+    from _support import family_engines
+
+    engines = family_engines(tmp_path_factory, "v3")
+    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1)
+    report = run_bench(engines, options)
+    for seconds in (3, 5, 10):
+        assert report["metrics"][f"first_audio_ref{seconds}s"]["median"] > 0
+    assert report["metrics"]["audio_s"]["median"] > 0 and report["peak_rss_stream_gb"] > 0
