@@ -57,6 +57,18 @@ def _ops(path: Path) -> Counter:
     return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
 
 
+def _blocks(path: Path) -> int:
+    """The one block size of the MatMulNBits nodes of ``path``."""
+    (block,) = {
+        onnx.helper.get_attribute_value(attribute)
+        for node in onnx.load(str(path), load_external_data=False).graph.node
+        if node.op_type == "MatMulNBits"
+        for attribute in node.attribute
+        if attribute.name == "block_size"
+    }
+    return block
+
+
 def _matrix_weight_matmuls(path: Path) -> int:
     """MatMuls whose second input is a constant 2-D weight (what the quantisers may change)."""
     graph = onnx.load(str(path)).graph
@@ -122,6 +134,11 @@ def test_int4_graphs_change_where_the_plan_says(fp32, int4, family):
                 gemms = 0
             assert after["MatMul"] == before["MatMul"] - expected + gemms, (plan.graph, after)
             assert after["Gemm"] == 0, after
+    # the manifest's n-bit block sizes are those of the graphs' MatMulNBits nodes (LLM 128, DiT AdaLN 32)
+    recorded = Manifest.read(int4[family]).nbits_blocks
+    assert recorded == {name: _blocks(int4[family] / f"{name}.onnx") for name in recorded}, recorded
+    assert recorded["llm"] == 128 and all(recorded.get(plan.graph) for plan in precision_plan("int4", family)
+                                           if "nbits" in plan.method), recorded  # fmt: skip
 
 
 @pytest.mark.slow
