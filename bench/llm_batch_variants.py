@@ -7,7 +7,8 @@ Writes ``DIR/NAME.onnx`` per variant (one file, no external data). SPEC is a com
 
 * ``acc=N``: every MatMulNBits' ``accuracy_level`` (1 fp32, 3 bf16, 4 int8 activations);
 * ``block=N`` / ``bits=4|8``: requantise every MatMulNBits weight from the fp32 engines' graph
-  (symmetric, blocks of N along K, as ``trt-cosy build`` does with block 32, 4 bits);
+  (symmetric, blocks of N along K, as ``trt-cosy build``'s quantiser does: int4 LLMs use block
+  128, block 32 where the manifest records no ``nbits_blocks``);
 * ``int8dyn``: every MatMulNBits becomes ``DynamicQuantizeMatMul`` with per-column symmetric int8
   weights from fp32 (int8 activations quantised per call, MLAS QGEMM);
 * ``lmfp32``: the LM head (the last MatMulNBits) becomes an fp32 ``MatMul``;

@@ -174,6 +174,14 @@ def test_manifest_round_trips_the_reason_and_reads_manifests_without_it(tmp_path
     assert Manifest.read(tmp_path).backend_reason is None
 
 
+def test_manifest_round_trips_nbits_blocks_and_reads_manifests_without_them(tmp_path):
+    _manifest(nbits_blocks={"llm": 128, "llm_batch": 128}).write(tmp_path)
+    assert Manifest.read(tmp_path).nbits_blocks == {"llm": 128, "llm_batch": 128}
+    _manifest().write(tmp_path)  # fp32 engines, or a manifest written before the field existed
+    assert "nbits_blocks" not in json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert Manifest.read(tmp_path).nbits_blocks is None
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -136,6 +136,7 @@ def test_derived_int4_engines_bench_and_leave_fp32_untouched(engines, tmp_path):
     Manifest.read(derived).check(derived, precision="int4")
     # The batched decode graph is derived again from the quantised llm.onnx.
     assert "llm_batch" in Manifest.read(derived).graphs
+    assert Manifest.read(derived).nbits_blocks == {"llm": 128, "llm_batch": 128}  # the int4 LLM's blocks
     assert (derived / "llm_batch.onnx").stat().st_size < len(batch_before) / 3
     report = run_bench(derived, BenchOptions(tokens=30, runs=1, warmup=0, cold_start=False, threads=1))
     assert report["precision"] == "int4" and report["metrics"]["tokens"]["median"] == 30

@@ -89,8 +89,10 @@ def test_manifest_records_the_backend_of_each_graph(built, precision):
     if precision == "int4":
         assert ratio["flow_estimator"] < 0.6 and ratio[INCREMENTAL] < 0.6 and ratio["hift"] == 1.0, ratio
         assert manifest.files["llm.onnx"] < 0.5 * fp32_sizes["llm.onnx"]  # MatMulNBits weights
+        assert manifest.nbits_blocks == {"llm": 128, "llm_batch": 128}  # the ONNX Runtime graphs only
     else:
         assert ratio == {"flow_estimator": 1.0, INCREMENTAL: 1.0, "hift": 1.0}
+        assert manifest.nbits_blocks is None
 
 
 def test_single_backend_manifests_have_no_graph_backends(built, release, tmp_path):

@@ -24,6 +24,7 @@ from trt_cosy.build.export import export_graph, graph_export_plan
 from trt_cosy.build.modules.llm import LLMGraph, embedding_tables, load_llm
 from trt_cosy.build.quantize import (
     fuse_rms_norm,
+    nbits_blocks,
     precision_plan,
     quantize_float_matmuls_nbits,
     quantize_matmul_int8,
@@ -75,6 +76,31 @@ def test_precision_plan():
     assert dict((item.graph, item.method) for item in precision_plan("int8", "v2"))["llm"] == "nbits8"
     with pytest.raises(InputError, match="unknown"):
         precision_plan("int2", "v2")
+
+
+def test_nbits_block_sizes_and_their_manifest_record():
+    """int4 LLMs: blocks of 128 (faster decode, same guard; docs/precision.md); every other n-bit user
+    keeps 32 (int8 LLMs, the v3 DiT's AdaLN weights); the batched decode graph has the LLM's."""
+    blocks = {
+        family: {p.graph: p.nbits_block for p in precision_plan("int4", family)}
+        for family in ("v1", "v2", "v3")
+    }
+    assert blocks["v2"] == dict.fromkeys(("llm",), 128) | dict.fromkeys(
+        ("flow_encoder", "flow_estimator", "flow_estimator_stream", "hift")
+    )
+    assert blocks["v1"]["llm"] == blocks["v3"]["llm"] == 128
+    assert blocks["v3"]["flow_estimator"] == blocks["v3"]["flow_estimator_stream"] == 32  # 8-bit AdaLN
+    assert {p.nbits_block for p in precision_plan("int8", "v2")} == {32, None}
+    assert {p.nbits_block for p in precision_plan("fp32", "v3")} == {None}
+    names = ("llm", "llm_batch", "flow_estimator", "flow_estimator_stream", "hift")
+    assert nbits_blocks("int4", "v2", names) == {"llm": 128, "llm_batch": 128}
+    assert nbits_blocks("int4", "v3", names) == {
+        "llm": 128, "llm_batch": 128, "flow_estimator": 32, "flow_estimator_stream": 32
+    }  # fmt: skip
+    assert nbits_blocks("int8", "v2", ("llm",)) == {"llm": 32}
+    mixed = ("llm", "llm_batch")  # the ONNX Runtime graphs of mixed engines
+    assert nbits_blocks("int4", "v3", mixed) == {"llm": 128, "llm_batch": 128}
+    assert nbits_blocks("fp32", "v2", names) == {}
 
 
 def _rms_norm_model(path: Path, width: int = 8) -> Path:
@@ -131,7 +157,17 @@ def test_kv_decoder_matches_golden(tiny_llm, v2_reference):
 def test_weight_only_llm_meets_the_kl_bar(tiny_llm, v2_reference, tmp_path, bits):
     path, stage = tiny_llm
     target = tmp_path / f"llm_q{bits}.onnx"
-    assert quantize_weights_nbits(path, target, bits=bits) == 15  # 2 layers x 7 + the speech head
+    plan = {p.graph: p for p in precision_plan("int4" if bits == 4 else "int8", "v2")}["llm"]
+    block = plan.nbits_block  # the build's: 128 (int4), 32 (int8)
+    assert quantize_weights_nbits(path, target, bits=bits, block_size=block) == 15  # 2 layers x 7 + the head
+    blocks = {
+        helper.get_attribute_value(a)
+        for node in onnx.load(str(target)).graph.node
+        if node.op_type == "MatMulNBits"
+        for a in node.attribute
+        if a.name == "block_size"
+    }
+    assert blocks == {block}
     ops = {node.op_type for node in onnx.load(str(target)).graph.node}
     assert "MatMulNBits" in ops and "Reciprocal" not in ops
     logits, _ = _stage_on(target, stage).teacher_forced(v2_reference["llm_tf_lm_input"])  # [1, L, V]

@@ -55,7 +55,7 @@ from .family_engines import (
 from .flow_incremental import export_incremental_estimator, write_incremental_estimator
 from .ort_llm_batch import batch_graph_record, write_batched_llm
 from .ort_passes import rewrite_engine_graphs
-from .quantize import QUANTIZED_PRECISIONS, quantize_engines
+from .quantize import QUANTIZED_PRECISIONS, nbits_blocks, quantize_engines
 
 __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
 
@@ -290,6 +290,9 @@ def _write_engines(
         manifest.graphs[batch_graph.stem] = batch_graph_record(batch_graph, staging)
     if incremental is not None:
         manifest.graphs[incremental[0].stem] = incremental[1]
+    if backend in ("onnxruntime", "mixed") and precision in QUANTIZED_PRECISIONS:  # n-bit block sizes
+        only = {name for name, record in manifest.graphs.items() if record.backend != "openvino"}
+        manifest = dataclasses.replace(manifest, nbits_blocks=nbits_blocks(precision, family, only))
     manifest.write(staging)
 
 

@@ -4,12 +4,16 @@ Applied by ``build_engines`` to the fp32 graphs of a staging directory (``quanti
 their export was checked against torch. What each precision changes (docs/precision.md), for every
 family (CosyVoice 1, 2, 3; ``QUANTIZED_GRAPHS``):
 
-* ``int4``: the LLM's weights 4-bit (``MatMulNBits``, symmetric, block 32, int8 compute), the flow
+* ``int4``: the LLM's weights 4-bit (``MatMulNBits``, symmetric, block 128, int8 compute), the flow
   estimators' MatMul weights int8 (dynamic, per-channel; v1/v2 U-Net, v3 DiT); flow encoder, HiFT
   and the v1 text encoder stay fp32. The v3 DiT's modulation weights (``Gemm``s, which the dynamic
   quantiser rewrites as float MatMuls and leaves fp32: 142M of its 331M parameters at full size)
-  get 8-bit weight-only ``MatMulNBits`` with int8 compute (``quantize_float_matmuls_nbits``).
-* ``int8``: the same with 8-bit LLM weights.
+  get 8-bit weight-only ``MatMulNBits`` with int8 compute (``quantize_float_matmuls_nbits``, block 32).
+* ``int8``: the same with 8-bit LLM weights (block 32).
+
+The block sizes are recorded in the manifest (``nbits_blocks``, from ``nbits_blocks`` here); engines
+built before it was recorded hold block 32 everywhere and keep working (the block size is an
+attribute of each ``MatMulNBits`` node, read by ONNX Runtime).
 
 Only MatMuls whose weight is a constant are quantised; RMSNorm/LayerNorm, softmax, attention scores,
 convolutions and the embedding tables stay fp32. Before quantising a Qwen2 LLM (v2, v3), its RMSNorms
@@ -48,6 +52,7 @@ __all__ = [
     "quantize_matmul_int8",
     "quantize_float_matmuls_nbits",
     "quantize_engines",
+    "nbits_blocks",
     "derive_engines",
 ]
 
@@ -68,7 +73,11 @@ QUANTIZED_GRAPHS: Final = {
 }
 # Model families whose graph sets precision_plan() knows (config.family values).
 QUANTIZABLE_FAMILIES: Final = frozenset(QUANTIZED_GRAPHS)
-_NBITS_BLOCK: Final = 32
+_NBITS_BLOCK: Final = 32  # MatMulNBits block along K: the int8 LLM, the v3 DiT's 8-bit AdaLN weights
+# The int4 LLM's: blocks of 128. Side by side against 32 (bench/llm_step_variants.py, docs/benchmarks.md)
+# the decode step is 17-31 % faster at every batch size; the quality guard passes on every family's
+# golden set and at full size (docs/precision.md).
+_INT4_LLM_BLOCK: Final = 128
 _DIT_METHOD: Final = "int8+nbits8"  # dynamic int8 MatMuls, then the float MatMuls left 8-bit weight-only
 _INT8_COMPUTE: Final = 4  # MatMulNBits accuracy_level 4: int8 activations, integer dot products
 
@@ -79,11 +88,13 @@ Progress = Callable[[str], None]
 class StagePlan:
     """How one graph is reduced: ``"fp32"`` (unchanged), ``"nbits4"``, ``"nbits8"``, ``"int8"`` or
     ``"int8+nbits8"`` (``"int8"``, then ``quantize_float_matmuls_nbits``: the v3 DiT);
-    ``fuse_rms_norm``: rewrite its Qwen2 RMSNorms first (n-bit LLMs of v2/v3 only)."""
+    ``fuse_rms_norm``: rewrite its Qwen2 RMSNorms first (n-bit LLMs of v2/v3 only);
+    ``nbits_block``: the ``MatMulNBits`` block size along K of its n-bit weights (None: none)."""
 
     graph: str
     method: str
     fuse_rms_norm: bool = False
+    nbits_block: int | None = None
 
 
 def precision_plan(precision: str, family: str) -> tuple[StagePlan, ...]:
@@ -107,8 +118,11 @@ def precision_plan(precision: str, family: str) -> tuple[StagePlan, ...]:
     }
     roles = QUANTIZED_GRAPHS[family]
     qwen_llm = family_named(family).qwen_llm  # RMSNorm fusion before n-bit quantisation: Qwen2 LLMs only
+    blocks = {"llm": _INT4_LLM_BLOCK if precision == "int4" else _NBITS_BLOCK, "dit": _NBITS_BLOCK}
     return tuple(
-        StagePlan(name, methods[roles.get(name)], roles.get(name) == "llm" and qwen_llm)
+        StagePlan(
+            name, methods[roles.get(name)], roles.get(name) == "llm" and qwen_llm, blocks.get(roles.get(name))
+        )
         for name in names
     )
 
@@ -279,7 +293,9 @@ def quantize_engines(
         start = time.perf_counter()
         if plan.method.startswith("nbits"):
             bits = int(plan.method.removeprefix("nbits"))
-            count = quantize_weights_nbits(path, staged, bits=bits, fuse_norms=plan.fuse_rms_norm)
+            count = quantize_weights_nbits(
+                path, staged, bits=bits, block_size=plan.nbits_block, fuse_norms=plan.fuse_rms_norm
+            )
         else:
             count = quantize_matmul_int8(path, staged)
         path.with_name(path.name + ".data").unlink(missing_ok=True)
@@ -288,7 +304,7 @@ def quantize_engines(
         if staged_data.exists():
             _relocate_external_data(path, staged_data)
         if plan.method == _DIT_METHOD:
-            count += quantize_float_matmuls_nbits(path, bits=8)
+            count += quantize_float_matmuls_nbits(path, bits=8, block_size=plan.nbits_block)
         message = (
             f"{plan.graph}: {count} MatMul weights -> {plan.method} in {time.perf_counter() - start:.1f} s"
         )
@@ -296,6 +312,16 @@ def quantize_engines(
         if progress is not None:
             progress(message)
     return methods
+
+
+def nbits_blocks(precision: str, family: str, names: Collection[str]) -> dict[str, int]:
+    """The manifest's ``nbits_blocks``: ``{graph: MatMulNBits block size}`` for each of ``names``
+    (the ONNX Runtime graphs of the engines) that ``precision`` gives n-bit weights. The batched
+    decode graph (``llm_batch``, derived from the quantised ``llm.onnx``) has the LLM's block."""
+    blocks = {plan.graph: plan.nbits_block for plan in precision_plan(precision, family) if plan.nbits_block}
+    if graphs.LLM.name in blocks:
+        blocks[graphs.LLM_BATCH.name] = blocks[graphs.LLM.name]
+    return {name: block for name, block in blocks.items() if name in names}
 
 
 def _relocate_external_data(path: Path, data: Path) -> None:
@@ -317,6 +343,7 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     ``out_dir``, its graphs are quantised in place, the manifest gets the new precision and file
     sizes, and the result is renamed to ``out_dir`` (which must not exist).
     """
+    import dataclasses
     import json
 
     from ..runtime.engines import MODEL_CONFIG_NAME
@@ -333,6 +360,10 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     raw = json.loads((fp32_dir / MODEL_CONFIG_NAME).read_text(encoding="utf-8"))
     family = model_config_from_dict(raw).family
     precision_plan(precision, family)  # an unknown precision or family fails before any copy
+    # the fp32 engines' graph names: llm_batch is among them (every ONNX Runtime build writes it)
+    manifest = dataclasses.replace(
+        manifest, nbits_blocks=nbits_blocks(precision, family, manifest.graphs) or None
+    )
 
     def quantize(staging: Path) -> dict:
         quantize_engines(staging, precision, family, progress)

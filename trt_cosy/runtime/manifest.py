@@ -97,9 +97,15 @@ class Manifest:
     format: int = _FORMAT
     # Why this backend/precision (``runtime.backend_choice``); optional: older manifests lack it.
     backend_reason: str | None = None
+    # graph -> MatMulNBits block size along K of its n-bit weights (int8/int4 ONNX Runtime and mixed
+    # engines; ``build.quantize.nbits_blocks``). None: fp32 or other engines, or a manifest written
+    # before it was recorded (those engines hold block 32).
+    nbits_blocks: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
+        if raw["nbits_blocks"] is None:  # engines without n-bit weights keep the manifest they always had
+            del raw["nbits_blocks"]
         for graph in raw["graphs"].values():  # single-backend engines keep the manifest they always had
             if graph["backend"] is None:
                 del graph["backend"]
@@ -132,6 +138,9 @@ class Manifest:
             created=str(raw["created"]),
             format=int(raw.get("format", _FORMAT)),
             backend_reason=None if raw.get("backend_reason") is None else str(raw["backend_reason"]),
+            nbits_blocks=None
+            if raw.get("nbits_blocks") is None
+            else {str(k): int(v) for k, v in raw["nbits_blocks"].items()},
         )
 
     def write(self, engines_dir: Path) -> Path:
