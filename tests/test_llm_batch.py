@@ -317,9 +317,8 @@ def _may_raise_priority() -> bool:
     return result[0]
 
 
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities need POSIX os.setpriority")
-def test_decode_steps_run_at_the_decode_priority_and_none_leaves_it(model, v2_reference, monkeypatch):
-    stage = _batched(model, slots=2)
+def _decode_nice_values(stage, v2_reference, monkeypatch) -> list[int]:
+    """Nice values of the threads that ran the decode steps of one short greedy request on ``stage``."""
     stepper = stage.scheduler._stepper
     real_step = stepper.step
     seen: list[int] = []
@@ -331,12 +330,18 @@ def test_decode_steps_run_at_the_decode_priority_and_none_leaves_it(model, v2_re
     monkeypatch.setattr(stepper, "step", recording)
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
     list(stage.generate(*args, greedy_sample, max_new_tokens=4))
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities need POSIX os.setpriority")
+def test_decode_steps_run_at_the_decode_priority_and_none_leaves_it(model, v2_reference, monkeypatch):
+    stage = _batched(model, slots=2)
+    seen = _decode_nice_values(stage, v2_reference, monkeypatch)
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     expected = own + llm_batch.DECODE_NICE if _may_raise_priority() else own
     assert seen and set(seen) == {expected}
     stage.scheduler.priority = None  # back to the process's own nice value at the next admission
-    seen.clear()
-    list(stage.generate(*args, greedy_sample, max_new_tokens=4))
+    seen = _decode_nice_values(stage, v2_reference, monkeypatch)
     assert seen and set(seen) == {own}
 
 
@@ -344,32 +349,23 @@ def test_decode_steps_run_at_the_decode_priority_and_none_leaves_it(model, v2_re
 def test_decode_priority_is_relative_to_a_niced_process(model, v2_reference, monkeypatch):
     """A process started with ``nice`` decodes at its own nice value + DECODE_NICE, never at an absolute
     priority above the one it was given."""
-    seen: list[int] = []
+    niced = min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 7, 19)  # raising needs no right
+    result: list[list[int]] = []
     errors: list[BaseException] = []
 
-    def niced() -> None:
+    def run_niced() -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 7)  # raising nice needs no right
-            stage = _batched(model, slots=2)
-            stepper = stage.scheduler._stepper
-            real_step = stepper.step
-
-            def recording(inputs):
-                seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-                return real_step(inputs)
-
-            monkeypatch.setattr(stepper, "step", recording)
-            args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
-            list(stage.generate(*args, greedy_sample, max_new_tokens=4))
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niced)
+            result.append(_decode_nice_values(_batched(model, slots=2), v2_reference, monkeypatch))
         except BaseException as exc:  # reported in the test's thread
             errors.append(exc)
 
-    thread = threading.Thread(target=niced)
+    thread = threading.Thread(target=run_niced)
     thread.start()
     thread.join()
     assert not errors, errors
-    expected = 7 + llm_batch.DECODE_NICE if _may_raise_priority() else 7
-    assert seen and set(seen) == {expected}
+    expected = niced + llm_batch.DECODE_NICE if _may_raise_priority() else niced
+    assert result[0] and set(result[0]) == {expected}
 
 
 def test_failed_step_fails_its_rows_and_the_loop_serves_the_next(model, v2_reference, monkeypatch):
