@@ -179,6 +179,34 @@ def test_a_voice_prefix_spares_later_first_chunks_the_prompt_frames(tiny_ort):
     assert len(flow.voice_prefixes._entries) == 1
 
 
+def test_a_request_cache_shares_its_voice_prefix_instead_of_copying_it(v2_tiny_dir):
+    """``load`` keeps the prefix's arrays (never written) and the request's own frames apart; each call
+    still sees prefix ++ own frames."""
+    from trt_cosy.models.registry import read_release_config
+
+    config = read_release_config(v2_tiny_dir).flow.estimator
+    rng = np.random.default_rng(0)
+    prefix = FlowCache(config, steps=2)
+    layout = (prefix.blocks, 2, prefix.width)
+    for step in range(2):
+        prefix.extend(step, rng.standard_normal((4, *layout)).astype(np.float32), prefix.past(step)[1])
+    prefix.finish(np.zeros((1, 80, 4), np.float32))
+    before = [prefix.past(step)[0].copy() for step in range(2)]
+
+    cache = FlowCache(config, steps=2)
+    cache.load(prefix)
+    assert cache.past(0)[0] is prefix.past(0)[0]  # the first chunk reads the prefix itself
+    new = [rng.standard_normal((3, *layout)).astype(np.float32) for _ in range(2)]
+    for step in range(2):
+        cache.extend(step, new[step], cache.past(step)[1])
+    for step in range(2):
+        assert np.array_equal(cache.past(step)[0], np.concatenate([before[step], new[step]]))
+        assert np.array_equal(prefix.past(step)[0], before[step])  # the prefix is not written
+    own = sum(block.nbytes for block in cache._blocks)
+    assert own == sum(block.nbytes for block in new)  # the request holds only its own frames
+    assert cache.nbytes > own  # and still counts the prefix frames it refers to
+
+
 @pytest.mark.slow
 def test_past_the_limit_the_segment_recomputes(tiny_ort, golden, caplog):
     model = tiny_ort.model

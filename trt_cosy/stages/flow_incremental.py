@@ -101,7 +101,10 @@ class FlowCache:
         self.limit_bytes = limit_bytes
         self.frames = 0  # completed frames held (a multiple of the chunk while usable)
         self.disabled: str | None = None  # why this segment recomputes, once it does
-        self._blocks: list[np.ndarray] = []  # per step [frames, L, 2, D] float32
+        # Per step [frames, L, 2, D] float32: the frames loaded from a voice prefix (``load``; shared with
+        # it, never written) and this cache's own frames after them (past = shared ++ own).
+        self._shared: list[np.ndarray] = []
+        self._blocks: list[np.ndarray] = []
         tail = cache_tail(config)
         self._tails = np.zeros((steps, 2, self.channels, tail), np.float32)  # [steps, 2, C, K-1]
         self._mel = np.zeros((1, 80, 0), np.float32)  # [1, 80, frames] finished mel
@@ -112,7 +115,9 @@ class FlowCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(block.nbytes for block in self._blocks) + self._tails.nbytes + self._mel.nbytes
+        """Bytes this cache refers to (its voice prefix's frames included, which it shares)."""
+        blocks = sum(block.nbytes for block in self._shared) + sum(block.nbytes for block in self._blocks)
+        return blocks + self._tails.nbytes + self._mel.nbytes
 
     def usable_for(self, frames: int) -> bool:
         """Whether a chunk-attention call over ``frames`` frames can extend this cache; drops the
@@ -145,15 +150,20 @@ class FlowCache:
         )
 
     def release(self) -> None:
+        self._shared = []
         self._blocks = []
         self._mel = np.zeros((1, 80, 0), np.float32)
         self.frames = 0
 
     def past(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """``(past_blocks [P, L, 2, D], past_tails [2, C, K-1])`` of Euler step ``step``."""
-        if len(self._blocks) <= step:  # the segment's first chunk
+        parts = [part[step] for part in (self._shared, self._blocks) if len(part) > step]
+        if not parts:  # the segment's first chunk
             return np.zeros((0, self.blocks, 2, self.width), np.float32), self._tails[step]
-        return self._blocks[step], self._tails[step]
+        if len(parts) == 1:
+            return parts[0], self._tails[step]
+        # a transient copy for this call: the voice prefix is not copied into every request's cache
+        return np.concatenate(parts, axis=0), self._tails[step]
 
     def extend(self, step: int, new_blocks: np.ndarray, new_tails: np.ndarray) -> None:
         """Append the new frames' block inputs of one step (``new_blocks`` [T, L, 2, D])."""
@@ -164,8 +174,9 @@ class FlowCache:
         self._tails[step] = new_tails
 
     def load(self, prefix: FlowCache) -> None:
-        """Start this (fresh) cache from ``prefix``'s frames (a voice's prompt chunks)."""
-        self._blocks = list(prefix._blocks)
+        """Start this (fresh) cache from ``prefix``'s frames (a voice's prompt chunks), shared with it."""
+        self._shared = [prefix.past(step)[0] for step in range(min(self.steps, prefix.steps))]
+        self._blocks = []
         self._tails = prefix._tails.copy()
         self._mel = prefix._mel
         self.frames = prefix.frames
@@ -183,9 +194,10 @@ class VoicePrefixes:
     The frames of a voice's prompt chunks whose encoder look-ahead stays inside the prompt depend on
     the voice alone (prompt tokens and mel, speaker embedding, fixed noise), so every streaming
     request with that voice starts from the same cache and its first chunk computes only the frames
-    after them. Entries share their arrays with the requests that load them (arrays are replaced,
-    never written, as a cache grows). Memory: ``FlowCache.bytes_per_frame`` per prefix frame, e.g.
-    200 frames (a 5 s prompt) = 218 MiB at full size.
+    after them. Entries share their arrays with the requests that load them: a request's cache keeps
+    its own frames apart and joins the two for each call (a transient copy of one Euler step), so the
+    prefix is held once, not once per request. Memory: ``FlowCache.bytes_per_frame`` per prefix frame,
+    e.g. 200 frames (a 5 s prompt) = 218 MiB at full size.
 
     Args:
         slots: voices kept (least recently used dropped first); 0 turns the prefixes off.
