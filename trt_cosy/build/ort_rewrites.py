@@ -154,10 +154,19 @@ def _gelu_site(index: GraphIndex, erf: onnx.NodeProto, number: int) -> onnx.Node
     if divide is None or divide.op_type != "Div" or not is_scalar(index, divide.input[1], np.sqrt(2.0)):
         return None
     x = divide.input[0]
-    plus_one = index.only_consumer(erf.output[0])
+    output = _gelu_tail(index, erf, x)
+    if output is None:
+        return None
+    return helper.make_node("Gelu", [x], [output], name=f"ort_rewrites/gelu_{number}", domain=MS_DOMAIN)
+
+
+def _gelu_tail(index: GraphIndex, activation: onnx.NodeProto, x: str) -> str | None:
+    """The output of ``(activation + 1) · x · 0.5`` after ``activation`` (the two Muls in either
+    order), the tail both GELU forms share; None where the graph differs."""
+    plus_one = index.only_consumer(activation.output[0])
     if plus_one is None or plus_one.op_type != "Add":
         return None
-    other = [i for i in plus_one.input if i != erf.output[0]]
+    other = [i for i in plus_one.input if i != activation.output[0]]
     if len(other) != 1 or not is_scalar(index, other[0], 1.0):
         return None
     first = index.only_consumer(plus_one.output[0])
@@ -167,14 +176,9 @@ def _gelu_site(index: GraphIndex, erf: onnx.NodeProto, number: int) -> onnx.Node
     others = [i for i in first.input if i != plus_one.output[0]] + [
         i for i in second.input if i != first.output[0]
     ]
-    if len(others) != 2 or x not in others:
+    if len(others) != 2 or x not in others or not is_scalar(index, others[1 - others.index(x)], 0.5):
         return None
-    half = others[1 - others.index(x)]
-    if not is_scalar(index, half, 0.5):
-        return None
-    return helper.make_node(
-        "Gelu", [x], [second.output[0]], name=f"ort_rewrites/gelu_{number}", domain=MS_DOMAIN
-    )
+    return second.output[0]
 
 
 def fuse_tanh_gelu(model: onnx.ModelProto) -> int:
@@ -211,23 +215,11 @@ def _tanh_gelu_site(index: GraphIndex, tanh: onnx.NodeProto, number: int) -> onn
             break
     else:
         return None
-    plus_one = index.only_consumer(tanh.output[0])
-    if plus_one is None or plus_one.op_type != "Add":
-        return None
-    other = [i for i in plus_one.input if i != tanh.output[0]]
-    if len(other) != 1 or not is_scalar(index, other[0], 1.0):
-        return None
-    first = index.only_consumer(plus_one.output[0])
-    second = index.only_consumer(first.output[0]) if first is not None else None
-    if first is None or second is None or first.op_type != "Mul" or second.op_type != "Mul":
-        return None
-    others = [i for i in first.input if i != plus_one.output[0]] + [
-        i for i in second.input if i != first.output[0]
-    ]
-    if len(others) != 2 or x not in others or not is_scalar(index, others[1 - others.index(x)], 0.5):
+    output = _gelu_tail(index, tanh, x)
+    if output is None:
         return None
     return helper.make_node(
-        "FastGelu", [x], [second.output[0]], name=f"ort_rewrites/fast_gelu_{number}", domain=MS_DOMAIN
+        "FastGelu", [x], [output], name=f"ort_rewrites/fast_gelu_{number}", domain=MS_DOMAIN
     )
 
 
