@@ -34,6 +34,7 @@ from pathlib import Path
 import soundfile
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
+from trt_cosy.bench import process_memory
 from trt_cosy.runtime import heap
 from trt_cosy.stages.flow_incremental import FlowCache
 from trt_cosy.streaming import FAST_SCHEDULE, OFFICIAL_SCHEDULE
@@ -46,8 +47,6 @@ MODES = {
     "stream-official": SynthesisConfig(stream=True, stream_schedule=OFFICIAL_SCHEDULE, text_frontend=False),
     "stream-fast": SynthesisConfig(stream=True, stream_schedule=FAST_SCHEDULE, text_frontend=False),
 }
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 class _CacheWatch:
@@ -68,13 +67,6 @@ class _CacheWatch:
         self.bytes = self.frames = 0
 
 
-def _status_gb(key: str) -> float:
-    for line in _STATUS.read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024**2  # kB
-    return float("nan")
-
-
 def _voice(tts: CosyVoice, seconds: float):
     speech, rate = soundfile.read(REFERENCE, dtype="float32")
     with tempfile.TemporaryDirectory() as folder:
@@ -85,8 +77,8 @@ def _voice(tts: CosyVoice, seconds: float):
 
 def _run(tts: CosyVoice, voice, text: str, config: SynthesisConfig, seed: int, watch: _CacheWatch) -> dict:
     heap.release_free()  # freed pages of the earlier runs go back: the request's peak starts from live memory
-    rss_before = _status_gb("VmRSS")
-    _CLEAR_REFS.write_text("5")  # VmHWM restarts from the current RSS: the request's own peak
+    rss_before = process_memory.rss_gb()
+    process_memory.reset_peak_rss()  # the peak restarts from the current RSS: the request's own peak
     watch.reset()
     started = time.perf_counter()
     first = None
@@ -104,7 +96,7 @@ def _run(tts: CosyVoice, voice, text: str, config: SynthesisConfig, seed: int, w
         "rtf": total / audio,
         "flow_s": sum(chunk["flow_s"] for chunk in chunks),
         "rss_before_gb": rss_before,
-        "peak_rss_gb": _status_gb("VmHWM"),
+        "peak_rss_gb": process_memory.peak_rss_gb(),
         "flow_cache_mib": watch.bytes / 2**20,
         "flow_cache_frames": watch.frames,
         "voice_prefixes_mib": tts._stages.flow.voice_prefixes.nbytes / 2**20,

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import resource
 import subprocess
 import sys
 import time
@@ -62,6 +61,7 @@ from ..runtime.ort import default_threads
 from ..stages.flow import FlowStage
 from ..stages.llm import LLMStage
 from ..stages.vocoder import VocoderStage
+from . import process_memory
 
 __all__ = ["BenchOptions", "run_bench", "format_bench", "main"]
 
@@ -220,13 +220,13 @@ def _stream_round(
         voice = _bench_voice(stages, inputs, seconds, options.seed)
         prefixes.clear()  # a voice's first request: it computes the voice's prompt prefix
         heap.release_free()  # the earlier voice's freed pages go back: this voice's peak starts from live memory
-        _reset_peak_rss()
+        process_memory.reset_peak_rss()
         first_new, cache_new = _first_audio(stages, inputs, voice, options)
         first, cache = _first_audio(stages, inputs, voice, options)
         result[f"first_audio_new_voice_ref{seconds:g}s"] = first_new
         result[f"first_audio_ref{seconds:g}s"] = first
         seen = {
-            "peak_rss_gb": _peak_rss_gb(),
+            "peak_rss_gb": process_memory.peak_rss_gb(),
             "flow_cache_mib": max(cache_new, cache) / 2**20,
             "voice_prefixes_mib": prefixes.nbytes / 2**20,
         }
@@ -296,48 +296,6 @@ def _cold_start(engines_dir: Path, threads: int | None) -> dict[str, float]:
     return {"seconds": elapsed, "rss_gb": float(line.split()[1])}
 
 
-_STATUS: Final = Path("/proc/self/status")
-_CLEAR_REFS: Final = Path("/proc/self/clear_refs")
-
-
-def _status_gb(field: str) -> float | None:
-    """``field`` (``VmRSS``, ``VmHWM``) of /proc/self/status in GB (GiB), or None where there is none."""
-    try:
-        lines = _STATUS.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 1024**2  # kB
-    return None
-
-
-def _peak_rss_gb() -> float:
-    """This process's peak resident set since it started or since ``_reset_peak_rss``, in GB."""
-    peak = _status_gb("VmHWM")
-    if peak is not None:
-        return peak
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss is in KiB on Linux
-
-
-def _rss_gb() -> float:
-    """This process's resident set now, in GB (the peak where /proc is missing)."""
-    rss = _status_gb("VmRSS")
-    return rss if rss is not None else _peak_rss_gb()
-
-
-def _reset_peak_rss() -> bool:
-    """Restart the peak (``VmHWM``) from the current resident set (Linux: ``5`` to /proc/self/clear_refs);
-    False where that is not possible (the peak then stays the process's)."""
-    if _status_gb("VmHWM") is None:
-        return False
-    try:
-        _CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
-
-
 def run_bench(
     engines_dir: Path, options: BenchOptions | None = None, progress: Progress | None = None
 ) -> dict[str, Any]:
@@ -360,12 +318,12 @@ def run_bench(
         emit(f"{_label(index, options)}: " + ", ".join(f"{key} {value:.3g}" for key, value in result.items()))
         if index >= options.warmup:
             runs.append(result)
-    peak_rss = _peak_rss_gb()
+    peak_rss = process_memory.peak_rss_gb()
     stream_report: dict[str, Any] = {}
     if options.stream:
         heap.release_free()
-        stream_report["rss_before_stream_gb"] = _rss_gb()
-        restarted = _reset_peak_rss()
+        stream_report["rss_before_stream_gb"] = process_memory.rss_gb()
+        restarted = process_memory.reset_peak_rss()
         memory: dict[str, dict[str, float]] = {}
         for index in range(options.warmup + options.runs):
             result = _stream_round(stages, inputs, options, memory)
@@ -469,7 +427,7 @@ def format_bench(report: dict[str, Any]) -> str:
 def _ready(engines_dir: Path, threads: int | None) -> None:
     """The cold-start child: load, build the stages, report ready with the RSS in GB."""
     _Stages(load_engines(engines_dir, threads=threads, backend="auto"))
-    print(f"{_READY} {_peak_rss_gb():.3f}", flush=True)
+    print(f"{_READY} {process_memory.peak_rss_gb():.3f}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
