@@ -14,8 +14,9 @@ from trt_cosy.verify.golden import GoldenSet
 INCREMENTAL = graphs.FLOW_ESTIMATOR_INCREMENTAL.name
 
 
-def flow_stage(model: LoadedModel, incremental: bool) -> FlowStage:
-    """The flow stage of ``model``, with or without its incremental runner (no voice prefixes)."""
+def flow_stage(model: LoadedModel, incremental: bool, voice_slots: int = 0, **options) -> FlowStage:
+    """The flow stage of ``model``, with or without its incremental runner (default: no voice prefixes;
+    ``options``: other ``FlowStage`` arguments, e.g. ``cache_limit_bytes``)."""
     runners = model.runners
     return FlowStage(
         runners[graphs.FLOW_ENCODER.name],
@@ -24,7 +25,8 @@ def flow_stage(model: LoadedModel, incremental: bool) -> FlowStage:
         model.flow_noise,
         model.config.flow,
         incremental_runner=runners[INCREMENTAL] if incremental else None,
-        voice_slots=0,
+        voice_slots=voice_slots,
+        **options,
     )
 
 

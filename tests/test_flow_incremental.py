@@ -13,6 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
+from _incremental_support import flow_stage
 from _streaming_support import counting, load_tiny_ort, make_tiny_voice
 
 from trt_cosy import SynthesisConfig
@@ -77,17 +78,7 @@ def golden(v2_tiny_dir) -> GoldenSet:
 
 
 def _flow(model, incremental: bool, limit: int | None = None, voice_slots: int = 0) -> FlowStage:
-    runners = model.runners
-    extra = {"voice_slots": voice_slots} | ({} if limit is None else {"cache_limit_bytes": limit})
-    return FlowStage(
-        runners[graphs.FLOW_ENCODER.name],
-        runners[graphs.FLOW_ESTIMATOR.name],
-        runners[graphs.FLOW_ESTIMATOR_STREAM.name],
-        model.flow_noise,
-        model.config.flow,
-        incremental_runner=runners[graphs.FLOW_ESTIMATOR_INCREMENTAL.name] if incremental else None,
-        **extra,
-    )
+    return flow_stage(model, incremental, voice_slots, **({} if limit is None else {"cache_limit_bytes": limit}))
 
 
 def _prompt(golden: GoldenSet):
