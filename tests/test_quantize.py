@@ -70,7 +70,7 @@ def test_precision_plan():
         "flow_encoder": "fp32",
         "flow_estimator": "int8",
         "flow_estimator_stream": "int8",
-        "hift": "fp32",
+        "hift": "int8conv",
     }
     assert {item.method for item in precision_plan("fp32", "v2")} == {"fp32"}
     assert dict((item.graph, item.method) for item in precision_plan("int8", "v2"))["llm"] == "nbits8"

@@ -56,6 +56,7 @@ from .flow_incremental import export_incremental_estimator, write_incremental_es
 from .ort_llm_batch import batch_graph_record, write_batched_llm
 from .ort_passes import rewrite_engine_graphs
 from .quantize import QUANTIZED_PRECISIONS, nbits_blocks, quantize_engines
+from .vocoder_int8 import quantize_vocoders
 
 __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
 
@@ -294,6 +295,9 @@ def _write_engines(
         only = {name for name, record in manifest.graphs.items() if record.backend != "openvino"}
         manifest = dataclasses.replace(manifest, nbits_blocks=nbits_blocks(precision, family, only))
     manifest.write(staging)
+    if backend == "onnxruntime" and precision in QUANTIZED_PRECISIONS:  # calibrated through the flow
+        quantize_vocoders(staging, family, staging, progress=emit)
+        dataclasses.replace(manifest, files=_file_sizes(staging)).write(staging)
 
 
 def _plan_feeds(config: ModelConfig, name: str) -> list[dict]:

@@ -5,8 +5,9 @@ their export was checked against torch. What each precision changes (docs/precis
 family (CosyVoice 1, 2, 3; ``QUANTIZED_GRAPHS``):
 
 * ``int4``: the LLM's weights 4-bit (``MatMulNBits``, symmetric, block 128, int8 compute), the flow
-  estimators' MatMul weights int8 (dynamic, per-channel; v1/v2 U-Net, v3 DiT); flow encoder, HiFT
-  and the v1 text encoder stay fp32. The v3 DiT's modulation weights (``Gemm``s, which the dynamic
+  estimators' MatMul weights int8 (dynamic, per-channel; v1/v2 U-Net, v3 DiT), HiFT's residual-block
+  convolutions int8 (static, calibrated through the flow: ``vocoder_int8``); the flow encoder, HiFT's
+  f0 predictor and the v1 text encoder stay fp32. The v3 DiT's modulation weights (``Gemm``s, which the dynamic
   quantiser rewrites as float MatMuls and leaves fp32: 142M of its 331M parameters at full size)
   get 8-bit weight-only ``MatMulNBits`` with int8 compute (``quantize_float_matmuls_nbits``, block 32).
 * ``int8``: the same with 8-bit LLM weights (block 32).
@@ -40,11 +41,14 @@ from ..models.v1 import graphs as graphs_v1
 from ..models.v3 import graphs as graphs_v3
 from ..runtime import graphs
 from .onnx_files import save_onnx
+from .quiet_logs import quiet_logger
+from .vocoder_int8 import VOCODER_GRAPHS
 
 __all__ = [
     "QUANTIZED_PRECISIONS",
     "QUANTIZABLE_FAMILIES",
     "QUANTIZED_GRAPHS",
+    "VOCODER_METHOD",
     "StagePlan",
     "precision_plan",
     "fuse_rms_norm",
@@ -66,11 +70,18 @@ QUANTIZED_PRECISIONS: Final = ("int8", "int4")
 # "dit": the estimator's int8 MatMuls plus 8-bit weight-only modulation weights (the v3 DiT, whose
 # AdaLN linears run on the time embedding only: 2 rows, memory-bound; 567 MB of fp32 weights at full size).
 _ESTIMATORS_V2: Final = (graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name)
+# "vocoder": HiFT's residual-block convolutions int8, calibrated (build/vocoder_int8.py).
 QUANTIZED_GRAPHS: Final = {
-    "v1": {graphs_v1.V1_LLM.name: "llm", graphs_v1.V1_FLOW_ESTIMATOR.name: "estimator"},
-    "v2": {graphs.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "estimator"),
-    "v3": {graphs_v3.LLM.name: "llm"} | dict.fromkeys(_ESTIMATORS_V2, "dit"),
+    "v1": {graphs_v1.V1_LLM.name: "llm", graphs_v1.V1_FLOW_ESTIMATOR.name: "estimator"}
+    | dict.fromkeys(VOCODER_GRAPHS["v1"], "vocoder"),
+    "v2": {graphs.LLM.name: "llm"}
+    | dict.fromkeys(_ESTIMATORS_V2, "estimator")
+    | dict.fromkeys(VOCODER_GRAPHS["v2"], "vocoder"),
+    "v3": {graphs_v3.LLM.name: "llm"}
+    | dict.fromkeys(_ESTIMATORS_V2, "dit")
+    | dict.fromkeys(VOCODER_GRAPHS["v3"], "vocoder"),
 }
+VOCODER_METHOD: Final = "int8conv"  # calibrated through the flow: vocoder_int8.quantize_vocoders
 # Model families whose graph sets precision_plan() knows (config.family values).
 QUANTIZABLE_FAMILIES: Final = frozenset(QUANTIZED_GRAPHS)
 _NBITS_BLOCK: Final = 32  # MatMulNBits block along K: the int8 LLM, the v3 DiT's 8-bit AdaLN weights
@@ -87,7 +98,8 @@ Progress = Callable[[str], None]
 @dataclass(frozen=True)
 class StagePlan:
     """How one graph is reduced: ``"fp32"`` (unchanged), ``"nbits4"``, ``"nbits8"``, ``"int8"`` or
-    ``"int8+nbits8"`` (``"int8"``, then ``quantize_float_matmuls_nbits``: the v3 DiT);
+    ``"int8+nbits8"`` (``"int8"``, then ``quantize_float_matmuls_nbits``: the v3 DiT) or ``"int8conv"``
+    (the vocoders' calibrated int8 convolutions, ``vocoder_int8.quantize_vocoders``);
     ``fuse_rms_norm``: rewrite its Qwen2 RMSNorms first (n-bit LLMs of v2/v3 only);
     ``nbits_block``: the ``MatMulNBits`` block size along K of its n-bit weights (None: none)."""
 
@@ -114,6 +126,7 @@ def precision_plan(precision: str, family: str) -> tuple[StagePlan, ...]:
         "llm": "nbits4" if precision == "int4" else "nbits8",
         "estimator": "int8",
         "dit": _DIT_METHOD,
+        "vocoder": VOCODER_METHOD,
         None: "fp32",
     }
     roles = QUANTIZED_GRAPHS[family]
@@ -182,7 +195,7 @@ def quantize_weights_nbits(
     quantizer = MatMulNBitsQuantizer(
         model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=_INT8_COMPUTE
     )
-    with _quiet("onnxruntime.quantization"):
+    with quiet_logger("onnxruntime.quantization"):
         quantizer.process()
     # 2-D weights only: a constant 3-D operand (v1's per-head linear_pos weight) stays a float MatMul.
     count = sum(node.op_type == "MatMulNBits" for node in quantizer.model.model.graph.node)
@@ -197,7 +210,7 @@ def quantize_matmul_int8(source: Path, target: Path) -> int:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     nodes = _constant_matmuls(onnx.load(str(source), load_external_data=False))
-    with _quiet("root"):
+    with quiet_logger("root"):
         quantize_dynamic(
             str(source),
             str(target),
@@ -239,7 +252,7 @@ def quantize_float_matmuls_nbits(path: Path, bits: int = 8, block_size: int = _N
         accuracy_level=_INT8_COMPUTE,  # float compute dequantises the whole weight per call: 17x slower
         nodes_to_include=names,
     )
-    with _quiet("onnxruntime.quantization"):
+    with quiet_logger("onnxruntime.quantization"):
         quantizer.process()
     count = sum(node.op_type == "MatMulNBits" for node in quantizer.model.model.graph.node)
     staged = path.with_name(f".{path.stem}.nbits{bits}.onnx")
@@ -251,21 +264,6 @@ def quantize_float_matmuls_nbits(path: Path, bits: int = 8, block_size: int = _N
         _relocate_external_data(path, staged_data)
     _LOGGER.info("%s: %d float MatMuls -> MatMulNBits(%d bits)", path.name, count, bits)
     return count
-
-
-class _quiet:
-    """Hold a chatty logger (ORT's quantisers log one line per node) at WARNING unless we log at DEBUG."""
-
-    def __init__(self, name: str):
-        self._logger = logging.getLogger(name if name != "root" else None)
-        self._level = self._logger.level
-
-    def __enter__(self) -> None:
-        if not _LOGGER.isEnabledFor(logging.DEBUG):
-            self._logger.setLevel(max(self._level, logging.ERROR))
-
-    def __exit__(self, *exc: object) -> None:
-        self._logger.setLevel(self._level)
 
 
 def quantize_engines(
@@ -280,13 +278,15 @@ def quantize_engines(
     on OpenVINO).
 
     Returns ``{graph: method}`` for every graph (``"fp32"`` where unchanged or not in ``only``).
+    The vocoders (``"int8conv"``) are not changed here: their calibration runs the checkpoint's flow,
+    so ``vocoder_int8.quantize_vocoders`` does it once the directory loads as engines.
     """
     directory = Path(directory)
     methods = {}
     for plan in precision_plan(precision, family):
         skipped = only is not None and plan.graph not in only
         methods[plan.graph] = "fp32" if skipped else plan.method
-        if methods[plan.graph] == "fp32":
+        if methods[plan.graph] in ("fp32", VOCODER_METHOD):
             continue
         path = directory / f"{plan.graph}.onnx"
         staged = directory / f".{plan.graph}.{plan.method}.onnx"
@@ -350,6 +350,7 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     from ..runtime.manifest import Manifest, model_config_from_dict
     from .derived import write_derived_engines
     from .ort_llm_batch import BATCH_FILE, batch_graph_record, write_batched_llm
+    from .vocoder_int8 import quantize_vocoders
 
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
     manifest = Manifest.read(fp32_dir)
@@ -367,6 +368,7 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
 
     def quantize(staging: Path) -> dict:
         quantize_engines(staging, precision, family, progress)
+        quantize_vocoders(staging, family, fp32_dir, progress)  # calibrated through the fp32 engines
         incremental = staging / f"{graphs.FLOW_ESTIMATOR_INCREMENTAL.name}.onnx"
         if incremental.is_file():  # the incremental streaming estimator: the estimators' int8 MatMuls
             staged = incremental.with_name(f".{incremental.stem}.int8.onnx")
