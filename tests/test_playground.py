@@ -124,7 +124,9 @@ def test_playground_uploads_a_voice_streams_speech_and_shows_api_errors(browser,
         assert stored["mode"] == "zero-shot" and stored["prompt_text"], stored
 
         # Speak: the streamed PCM reaches the AudioContext chunk by chunk, then the <audio> element.
-        page.fill("#text", "Good morning, this is the playground.")
+        # long enough for several streamed chunks, with flow and vocoder work between them: a browser slowed
+        # by a loaded machine may read two chunks' bytes at once, but not all of them
+        page.fill("#text", "Good morning, this is the playground. It speaks while it renders, one chunk at a time.")
         page.click("#speak")
         page.wait_for_function("() => window.playground.done === true")
         heard = page.evaluate("() => ({...window.playground})")
