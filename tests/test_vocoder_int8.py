@@ -26,6 +26,7 @@ from _support import tiny_engines, tiny_release
 
 from trt_cosy.bench.quality import snr_db
 from trt_cosy.build.derived import link_or_copy
+from trt_cosy.build.quantize import derive_engines
 from trt_cosy.build.vocoder_int8 import (
     CALIBRATION_UTTERANCES,
     INT8_CONV_PREFIXES,
@@ -120,6 +121,11 @@ def test_an_int4_build_quantises_the_vocoder_and_its_manifest_holds(tmp_path_fac
     model = load_engines(out, threads=1)
     wav = model.runners["hift"].infer(_golden_hift_feed_from_release(v2_tiny_dir))["wav"]
     assert np.isfinite(wav).all() and float(np.abs(wav).max()) > 0.0
+    # derive_engines calibrates through its own int8 flow, as the build did: the same graphs, byte for byte
+    derived = derive_engines(tiny_engines(tmp_path_factory, v2_tiny_dir), tmp_path / "derived", "int4")
+    graphs = sorted(path.name for path in out.glob("*.onnx"))
+    assert graphs == sorted(path.name for path in derived.glob("*.onnx")) and "hift.onnx" in graphs
+    assert {name: _sha(out / name) for name in graphs} == {name: _sha(derived / name) for name in graphs}
 
 
 def _golden_hift_feed_from_release(v2_tiny_dir: Path) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import InputError
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest
 
-__all__ = ["write_derived_engines", "link_or_copy"]
+__all__ = ["write_derived_engines", "file_sizes", "link_or_copy"]
 
 Transform = Callable[[Path], Mapping[str, GraphRecord] | None]
 
@@ -33,18 +33,25 @@ def write_derived_engines(
         shutil.copytree(source_dir, staging, dirs_exist_ok=True, copy_function=link_or_copy)
         (staging / MANIFEST_NAME).unlink()  # a hard link to the source manifest: never write through it
         added = transform(staging) or {}
-        files = {
-            path.relative_to(staging).as_posix(): path.stat().st_size
-            for path in sorted(staging.rglob("*"))
-            if path.is_file() and path.name != MANIFEST_NAME
-        }
         graphs = {**manifest.graphs, **added}
-        dataclasses.replace(manifest, precision=precision, graphs=graphs, files=files).write(staging)
+        dataclasses.replace(manifest, precision=precision, graphs=graphs, files=file_sizes(staging)).write(
+            staging
+        )
         os.chmod(staging, 0o755)
         staging.rename(out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def file_sizes(root: Path) -> dict[str, int]:
+    """A manifest's ``files``: ``{path relative to root: bytes}`` of every file under ``root`` but the
+    manifest itself."""
+    return {
+        path.relative_to(root).as_posix(): path.stat().st_size
+        for path in sorted(Path(root).rglob("*"))
+        if path.is_file() and path.name != MANIFEST_NAME
+    }
 
 
 def link_or_copy(source: str, target: str) -> None:

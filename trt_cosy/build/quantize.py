@@ -347,8 +347,8 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     import json
 
     from ..runtime.engines import MODEL_CONFIG_NAME
-    from ..runtime.manifest import Manifest, model_config_from_dict
-    from .derived import write_derived_engines
+    from ..runtime.manifest import MANIFEST_NAME, Manifest, model_config_from_dict
+    from .derived import file_sizes, write_derived_engines
     from .ort_llm_batch import BATCH_FILE, batch_graph_record, write_batched_llm
     from .vocoder_int8 import quantize_vocoders
 
@@ -368,15 +368,24 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
 
     def quantize(staging: Path) -> dict:
         quantize_engines(staging, precision, family, progress)
-        quantize_vocoders(staging, family, fp32_dir, progress)  # calibrated through the fp32 engines
         incremental = staging / f"{graphs.FLOW_ESTIMATOR_INCREMENTAL.name}.onnx"
         if incremental.is_file():  # the incremental streaming estimator: the estimators' int8 MatMuls
             staged = incremental.with_name(f".{incremental.stem}.int8.onnx")
             quantize_matmul_int8(incremental, staged)
             staged.replace(incremental)  # a new file: the fp32 engines' hard link stays as it was
-        if write_batched_llm(staging) is None:  # from the quantised llm.onnx
-            return {}
-        batch = staging / BATCH_FILE
-        return {batch.stem: batch_graph_record(batch, staging)}
+        added = {}
+        if write_batched_llm(staging) is not None:  # from the quantised llm.onnx
+            batch = staging / BATCH_FILE
+            added[batch.stem] = batch_graph_record(batch, staging)
+        # The vocoders last, calibrated through these engines (their int8 flow) as a build calibrates
+        # through its own, so a derived directory holds the build's graphs byte for byte. A provisional
+        # manifest makes the staging directory load; write_derived_engines writes the final one.
+        graphs_now = {**manifest.graphs, **added}
+        dataclasses.replace(
+            manifest, precision=precision, graphs=graphs_now, files=file_sizes(staging)
+        ).write(staging)
+        quantize_vocoders(staging, family, staging, progress)
+        (staging / MANIFEST_NAME).unlink()
+        return added
 
     return write_derived_engines(fp32_dir, out_dir, manifest, precision, quantize)

@@ -170,9 +170,9 @@ def quantize_vocoders(
     directory: Path, family: str, calibration_engines: Path, progress: Progress | None = None
 ) -> dict[str, int]:
     """Replace each of ``family``'s ``VOCODER_GRAPHS`` in ``directory`` by its int8-convolution form,
-    calibrated through the engines in ``calibration_engines`` (a directory whose vocoders are fp32:
-    ``directory`` itself before this step, or the fp32 engines it was derived from; only the graphs
-    the flow and the vocoder use are loaded). New files are written aside and moved in, so a
+    calibrated through the engines in ``calibration_engines`` (a loadable directory whose vocoders are
+    fp32; a build and ``derive_engines`` both pass ``directory`` itself, so both calibrate through the
+    same int8 flow and write the same graph; only the graphs the flow and the vocoder use are loaded). New files are written aside and moved in, so a
     hard-linked fp32 graph is never written through. Returns ``{graph: convolutions quantised}``."""
     from ..runtime.engines import load_engines
     from ..runtime.manifest import Manifest
