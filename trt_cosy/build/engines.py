@@ -42,6 +42,7 @@ from ..runtime.llm_decode import LLM_DECODE_NAME
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, hash_checkpoint
 from ..runtime.openvino import OV_PRECISIONS
 from ..version import __version__
+from .estimator_int8 import quantize_estimators
 from .export import OPSET, ExportResult, graph_record
 from .family_engines import (
     check_family_options,
@@ -296,8 +297,8 @@ def _write_engines(
         manifest = dataclasses.replace(manifest, nbits_blocks=nbits_blocks(precision, family, only))
     manifest.write(staging)
     if backend == "onnxruntime" and precision in QUANTIZED_PRECISIONS:  # calibrated through the flow
-        quantize_vocoders(staging, family, staging, progress=emit)
-        dataclasses.replace(manifest, files=_file_sizes(staging)).write(staging)
+        quantize_estimators(staging, family, progress=emit)  # first: the vocoders calibrate through it
+        quantize_vocoders(staging, family, progress=emit)  # each refreshes the manifest's file sizes
 
 
 def _plan_feeds(config: ModelConfig, name: str) -> list[dict]:

@@ -5,8 +5,9 @@ their export was checked against torch. What each precision changes (docs/precis
 family (CosyVoice 1, 2, 3; ``QUANTIZED_GRAPHS``):
 
 * ``int4``: the LLM's weights 4-bit (``MatMulNBits``, symmetric, block 128, int8 compute), the flow
-  estimators' MatMul weights int8 (dynamic, per-channel; v1/v2 U-Net, v3 DiT), HiFT's residual-block
-  convolutions int8 (static, calibrated through the flow: ``vocoder_int8``); the flow encoder, HiFT's
+  estimators' MatMul weights int8 (dynamic, per-channel; v1/v2 U-Net, v3 DiT), the U-Net estimator's
+  middle-block convolutions int8 (static, calibrated through the flow: ``estimator_int8``), HiFT's
+  residual-block convolutions int8 (the same way: ``vocoder_int8``); the flow encoder, HiFT's
   f0 predictor and the v1 text encoder stay fp32. The v3 DiT's modulation weights (``Gemm``s, which the dynamic
   quantiser rewrites as float MatMuls and leaves fp32: 142M of its 331M parameters at full size)
   get 8-bit weight-only ``MatMulNBits`` with int8 compute (``quantize_float_matmuls_nbits``, block 32).
@@ -16,11 +17,12 @@ The block sizes are recorded in the manifest (``nbits_blocks``, from ``nbits_blo
 built before it was recorded hold block 32 everywhere and keep working (the block size is an
 attribute of each ``MatMulNBits`` node, read by ONNX Runtime).
 
-Only MatMuls whose weight is a constant are quantised; RMSNorm/LayerNorm, softmax, attention scores,
-convolutions and the embedding tables stay fp32. Before quantising a Qwen2 LLM (v2, v3), its RMSNorms
-are rewritten from ``x * Reciprocal(Sqrt(.))`` into ``x / Sqrt(.)``, the form ONNX Runtime fuses into
-one ``SimplifiedLayerNormalization`` node (49 nodes fewer per decode step at full size); the v1
-TransformerLM uses LayerNorm and is left as exported.
+Only MatMuls whose weight is a constant are quantised here; RMSNorm/LayerNorm, softmax, attention
+scores and the embedding tables stay fp32, and the convolutions too but for the calibrated ones
+(``int8_conv``, run by the build once the staging directory loads as engines). Before quantising a
+Qwen2 LLM (v2, v3), its RMSNorms are rewritten from ``x * Reciprocal(Sqrt(.))`` into ``x / Sqrt(.)``,
+the form ONNX Runtime fuses into one ``SimplifiedLayerNormalization`` node (49 nodes fewer per decode
+step at full size); the v1 TransformerLM uses LayerNorm and is left as exported.
 """
 
 from __future__ import annotations
@@ -349,6 +351,7 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
     from ..runtime.engines import MODEL_CONFIG_NAME
     from ..runtime.manifest import MANIFEST_NAME, Manifest, model_config_from_dict
     from .derived import file_sizes, write_derived_engines
+    from .estimator_int8 import quantize_estimators
     from .ort_llm_batch import BATCH_FILE, batch_graph_record, write_batched_llm
     from .vocoder_int8 import quantize_vocoders
 
@@ -377,14 +380,16 @@ def derive_engines(fp32_dir: Path, out_dir: Path, precision: str, progress: Prog
         if write_batched_llm(staging) is not None:  # from the quantised llm.onnx
             batch = staging / BATCH_FILE
             added[batch.stem] = batch_graph_record(batch, staging)
-        # The vocoders last, calibrated through these engines (their int8 flow) as a build calibrates
-        # through its own, so a derived directory holds the build's graphs byte for byte. A provisional
-        # manifest makes the staging directory load; write_derived_engines writes the final one.
+        # The calibrated int8 convolutions last (estimator, then vocoders), through these engines as a
+        # build calibrates through its own, so a derived directory holds the build's graphs byte for
+        # byte. A provisional manifest makes the staging directory load; write_derived_engines writes
+        # the final one.
         graphs_now = {**manifest.graphs, **added}
         dataclasses.replace(
             manifest, precision=precision, graphs=graphs_now, files=file_sizes(staging)
         ).write(staging)
-        quantize_vocoders(staging, family, staging, progress)
+        quantize_estimators(staging, family, progress)
+        quantize_vocoders(staging, family, progress)
         (staging / MANIFEST_NAME).unlink()
         return added
 
