@@ -31,7 +31,14 @@ from typing import Any, Final
 import numpy as np
 import onnx
 
-from .int8_conv import Recorder, convolutions_where, log_mel_like, rewrite_calibrated
+from .int8_conv import (
+    CALIBRATION_TARGETS,
+    CALIBRATION_UTTERANCES,
+    Recorder,
+    convolutions_where,
+    log_mel_like,
+    rewrite_calibrated,
+)
 
 __all__ = [
     "ESTIMATOR_GRAPHS",
@@ -51,8 +58,6 @@ ESTIMATOR_GRAPHS: Final = {
 }
 # The weights of the middle blocks' ResNet block convolutions (block1, block2; not res_conv).
 ESTIMATOR_CONV_PATTERN: Final = re.compile(r"estimator\.mid_blocks\.\d+\.0\.block[12]\.")
-CALIBRATION_UTTERANCES: Final = 3
-_CALIBRATION_TARGETS: Final = 100  # speech tokens per calibration utterance (4 s of CosyVoice2 audio)
 
 Progress = Callable[[str], None]
 Feed = dict[str, np.ndarray]
@@ -88,9 +93,7 @@ def estimator_calibration_feeds(
 
     def run() -> None:
         for seed in range(utterances):
-            feeds.mel(
-                model, QualityInputs.random(model, targets=_CALIBRATION_TARGETS, seed=1000 + seed), seed
-            )
+            feeds.mel(model, QualityInputs.random(model, targets=CALIBRATION_TARGETS, seed=1000 + seed), seed)
 
     recorded = Recorder.recording(model, graph, run)
     return recorded + [_in_log_mel_range(feed, index) for index, feed in enumerate(recorded)]

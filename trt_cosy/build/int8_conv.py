@@ -28,6 +28,8 @@ from ..errors import BuildError
 from .quiet_logs import quiet_logger
 
 __all__ = [
+    "CALIBRATION_TARGETS",
+    "CALIBRATION_UTTERANCES",
     "LOG_MEL_FLOOR",
     "Recorder",
     "convolutions_where",
@@ -39,6 +41,8 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 LOG_MEL_FLOOR: Final = -11.5129  # log(1e-5): the feature extractor's clamp
+CALIBRATION_UTTERANCES: Final = 3  # seeded utterances run through the family's stages per calibration
+CALIBRATION_TARGETS: Final = 100  # speech tokens per calibration utterance (4 s of CosyVoice2 audio)
 
 Feed = dict[str, np.ndarray]
 Progress = Callable[[str], None]

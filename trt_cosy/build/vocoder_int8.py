@@ -27,7 +27,14 @@ from typing import Any, Final
 import numpy as np
 import onnx
 
-from .int8_conv import Recorder, convolutions_where, log_mel_like, rewrite_calibrated
+from .int8_conv import (
+    CALIBRATION_TARGETS,
+    CALIBRATION_UTTERANCES,
+    Recorder,
+    convolutions_where,
+    log_mel_like,
+    rewrite_calibrated,
+)
 
 __all__ = [
     "VOCODER_GRAPHS",
@@ -48,8 +55,6 @@ VOCODER_GRAPHS: Final = {
 }
 # Weight-name prefixes of the convolutions made int8 (the generator's and the source branch's resblocks).
 INT8_CONV_PREFIXES: Final = ("hift.resblocks.", "hift.source_resblocks.")
-CALIBRATION_UTTERANCES: Final = 3
-_CALIBRATION_TARGETS: Final = 100  # speech tokens per calibration utterance (4 s of CosyVoice2 audio)
 
 Progress = Callable[[str], None]
 
@@ -72,7 +77,7 @@ def calibration_feeds(
 
     def run() -> None:
         for seed in range(utterances):
-            inputs = QualityInputs.random(model, targets=_CALIBRATION_TARGETS, seed=1000 + seed)
+            inputs = QualityInputs.random(model, targets=CALIBRATION_TARGETS, seed=1000 + seed)
             mel = feeds.mel(model, inputs, seed)  # [1, 80, F]: the checkpoint's own flow
             feeds.wav(model, mel, feeds.vocoder_draws(model, mel.shape[2], seed))
             log_mel = log_mel_like(mel.shape, seed)  # [1, 80, F]: the range of real speech features
