@@ -4,7 +4,7 @@ The U-Net estimator (``ConditionalDecoder``) of int4/int8 ONNX Runtime engines a
 MatMuls in int8; its attention (57 % of a full-size call at 750 frames) runs at the CPU's fp32 peak,
 and its 46 fp32 convolutions took 9 %. The two kernel-3 convolutions of each of its middle blocks'
 ResNet block (``ESTIMATOR_CONV_PATTERN``: 24 at full size, most of the convolution arithmetic)
-become static int8 (``int8_conv``): a full-size call about 5 % faster, the mel SNR against fp32
+become static int8 (``int8_conv``): a full-size call 4-5 % faster, the mel SNR against fp32
 engines 38.0 dB where the engines without it give 40.3 (docs/benchmarks.md, "The flow estimator's
 middle-block convolutions in int8"). The rest stays fp32, by measurement (full size, mel SNR against
 fp32 on the quality guard's seeded inputs): the middle blocks' 1x1 residual convolutions cost as much
