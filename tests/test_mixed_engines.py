@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import soundfile
 from _incremental_support import INCREMENTAL, chunk_errors
+from _isolated import run_isolated
 from _support import BLOCK_TORCH, tiny_release
 from click.testing import CliRunner
 
@@ -146,12 +147,18 @@ def test_fp32_mixed_engines_pass_the_golden_set(built, release):
     assert "0 failed" in result.output, result.output
 
 
-def test_int4_mixed_engines_pass_the_quality_guard(built):
+def _quality_rows(reference_dir, candidate_dir) -> dict[str, float]:
+    """The quality guard of ``candidate_dir`` against ``reference_dir`` (run in a child process)."""
     with np.load(V2_GOLDEN / "reference.npz") as data:
         inputs = QualityInputs.from_golden({key: data[key] for key in data.files})
-    reference = load_engines(built("onnxruntime", "fp32"), threads=1, backend="auto")
-    candidate = load_engines(built("mixed", "int4"), threads=1, backend="auto")
-    rows = {row.metric: row.value for row in quality_guard(reference, candidate, inputs)}
+    reference = load_engines(reference_dir, threads=1, backend="auto")
+    candidate = load_engines(candidate_dir, threads=1, backend="auto")
+    return {row.metric: float(row.value) for row in quality_guard(reference, candidate, inputs)}
+
+
+def test_int4_mixed_engines_pass_the_quality_guard(built):
+    # bf16 OpenVINO graphs compile in a child process: a native crash fails this test alone (tests/_isolated.py)
+    rows = run_isolated(_quality_rows, built("onnxruntime", "fp32"), built("mixed", "int4"))
     assert rows["llm_kl_mean"] <= KL_BOUND, rows
     assert rows["flow_mel_snr_db"] >= MEL_SNR_BOUND, rows
     assert rows["hift_wav_snr_db"] >= 60.0, rows  # fp32 on OpenVINO against fp32 on ONNX Runtime

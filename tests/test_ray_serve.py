@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("fastapi")
@@ -57,10 +59,25 @@ def ray_url(engines, voices):
         serve.run(deployment_for(options), name="trt_cosy", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url)
+        _wait_for_replicas(url, 2)
         yield url
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _wait_for_replicas(url: str, count: int, timeout_s: float = 180.0) -> None:
+    """Until the proxy routes to ``count`` replicas: ``serve.run`` returns once every replica runs, but the
+    proxy learns of them later (a long poll), and on a loaded machine a burst sent before that all goes to
+    the one it knows. Concurrent health checks, so that its power-of-two-choices router spreads them."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(4) as pool:
+        while len(seen) < count:
+            assert time.monotonic() < deadline, f"only replicas {seen} answered within {timeout_s:.0f} s"
+            answers = list(pool.map(lambda _: client.get(url + "/health"), range(4)))
+            seen |= {answer.headers[REPLICA_HEADER] for answer in answers if answer.status_code == 200}
+            time.sleep(0.2)
 
 
 def _speak(client, text: str, seed: int, stream: bool) -> tuple[bytes, str]:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from .cache_dir import cache_root
 from .errors import EngineMismatchError, InputError, ModelDirError, TrtCosyError, require
 from .runtime.backend_choice import DEFAULT_PRECISIONS, BackendChoice, resolve_backend
 
@@ -37,7 +38,6 @@ _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_MODEL: Final = "CosyVoice2-0.5B"
 SOURCES: Final = ("huggingface", "modelscope")
-CACHE_ENV: Final = "TRT_COSY_CACHE"
 # Short names -> repository id per source.
 _KNOWN_MODELS: Final = {
     "CosyVoice2-0.5B": {"huggingface": "FunAudioLLM/CosyVoice2-0.5B", "modelscope": "iic/CosyVoice2-0.5B"},
@@ -62,11 +62,6 @@ _WEB: Final = {"huggingface": "https://huggingface.co/", "modelscope": "https://
 
 Progress = Callable[[str], None]
 
-
-def cache_root() -> Path:
-    """``$TRT_COSY_CACHE`` when set, else ``~/.cache/trt-cosy``."""
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "trt-cosy"
 
 
 def _repo_id(name: str, source: str) -> str:

@@ -9,6 +9,7 @@ __all__ = [
     "MissingDependencyError",
     "InputError",
     "BuildError",
+    "NativeCrashError",
 ]
 
 
@@ -34,6 +35,12 @@ class InputError(TrtCosyError):
 
 class BuildError(TrtCosyError):
     """A build step failed its own self-check (a trt-cosy bug, not a user error)."""
+
+
+class NativeCrashError(EngineMismatchError):
+    """A native library (OpenVINO's CPU plugin, ...) crashed compiling a graph in a child process
+    (``runtime.native_guard``); the message names the graph, backend, precision, signal and machine,
+    and which ``--backend`` / ``--precision`` to use instead."""
 
 
 def require(module: str, extra: str):

@@ -19,12 +19,18 @@ Transform = Callable[[Path], Mapping[str, GraphRecord] | None]
 
 
 def write_derived_engines(
-    source_dir: Path, out_dir: Path, manifest: Manifest, precision: str, transform: Transform
+    source_dir: Path,
+    out_dir: Path,
+    manifest: Manifest,
+    precision: str,
+    transform: Transform,
+    finish: Callable[[Path, Manifest], Manifest] | None = None,
 ) -> Path:
     """Copy ``source_dir`` (hard links, ``link_or_copy``) to a staging directory next to ``out_dir``
     (which must not exist), run ``transform(staging)`` (it replaces graphs by new files, never writing
-    through a link; it may return graph records to add), write ``manifest`` with ``precision``, the
-    added graphs and the new file sizes, and rename the staging directory to ``out_dir``."""
+    through a link; it may return graph records to add or replace), write ``manifest`` with
+    ``precision``, those graphs and the new file sizes (after ``finish(staging, manifest)`` when given),
+    and rename the staging directory to ``out_dir``."""
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     if out_dir.exists():
         raise InputError(f"{out_dir} exists; choose a new directory for the {precision} engines.")
@@ -34,9 +40,10 @@ def write_derived_engines(
         (staging / MANIFEST_NAME).unlink()  # a hard link to the source manifest: never write through it
         added = transform(staging) or {}
         graphs = {**manifest.graphs, **added}
-        dataclasses.replace(manifest, precision=precision, graphs=graphs, files=file_sizes(staging)).write(
-            staging
-        )
+        derived = dataclasses.replace(manifest, precision=precision, graphs=graphs, files=file_sizes(staging))
+        if finish is not None:
+            derived = finish(staging, derived)
+        derived.write(staging)
         os.chmod(staging, 0o755)
         staging.rename(out_dir)
     finally:

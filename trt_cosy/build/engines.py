@@ -278,6 +278,11 @@ def _write_engines(
     else:  # CosyVoice 1: whisper's multilingual.tiktoken
         copy_v1_tokenizer(model_dir, staging / TOKENIZER_DIR)
     _link_frontend_models(model_dir, staging, frontend_files(family))
+    compile_check = None
+    if backend in ("openvino", "mixed"):  # each IR compiled in a child: a native crash falls back, recorded
+        from .openvino import check_graph_compiles
+
+        records, compile_check = check_graph_compiles(staging, records, precision, progress=emit)
     manifest = Manifest(
         trt_cosy_version=__version__,
         backend=backend,
@@ -287,6 +292,7 @@ def _write_engines(
         graphs=records or {name: _graph_record(result, staging) for name, result in results.items()},
         files=_file_sizes(staging),
         backend_reason=backend_reason,
+        compile_check=compile_check,
     )
     if batch_graph is not None:
         manifest.graphs[batch_graph.stem] = batch_graph_record(batch_graph, staging)

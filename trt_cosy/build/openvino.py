@@ -16,20 +16,23 @@ decided at load time (``runtime.openvino.graph_precisions``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 
 from ..errors import BuildError
+from ..runtime.manifest import GraphRecord, Manifest
 from ..runtime.openvino import IR_SUFFIX, load_openvino
 
 __all__ = [
     "INT4_GROUP",
     "LLM_GRAPHS",
+    "check_graph_compiles",
     "convert_engine_graphs",
     "compress_matmul_weights",
     "derive_openvino_engines",
@@ -81,6 +84,89 @@ def convert_engine_graphs(
         if progress is not None:
             progress(message)
     return files
+
+
+def check_graph_compiles(
+    directory: Path,
+    records: Mapping[str, GraphRecord],
+    precision: str,
+    progress: Progress | None = None,
+) -> tuple[dict[str, GraphRecord], dict[str, Any]]:
+    """Compile every OpenVINO graph of ``records`` (the IR files in ``directory``) in a child process, in
+    the precision it computes in for engines of ``precision``: a native crash there (a signal) must not
+    end the build, nor, later, the process that loads the engines (``runtime.native_guard``).
+
+    A graph whose reduced-precision compile crashes falls back to float32: its record gets
+    ``compute="fp32"`` and ``compute_reason`` (the signal, CPU and OpenVINO version); one that crashes in
+    float32 too raises ``BuildError`` saying to build with ``--backend onnxruntime``. Returns the records
+    and the manifest's ``compile_check`` (this machine, the OpenVINO version, each graph's compute), which
+    a load on a machine like this one trusts instead of checking again.
+    """
+    from ..runtime import native_guard
+    from ..runtime.openvino import (
+        COMPILE_CHECK_TARGET,
+        OV_BACKEND,
+        cpu_has_bf16,
+        graph_precisions,
+    )
+    from ..runtime.ort import default_threads
+
+    ov = load_openvino()
+    version = ov.get_version()
+    here = native_guard.machine()
+    names = [
+        name
+        for name, record in records.items()
+        if (record.backend or OV_BACKEND) == OV_BACKEND and record.file.endswith(IR_SUFFIX)
+    ]
+    planned = graph_precisions(precision, tuple(names))
+    bf16 = cpu_has_bf16()
+    checked: dict[str, GraphRecord] = dict(records)
+    computes: dict[str, str] = {}
+    for name in names:
+        compute = planned[name] if bf16 else "fp32"  # OvRunner computes bf16 graphs in fp32 there
+        path = Path(directory) / records[name].file
+        start = time.perf_counter()
+        outcome = _compile_in_child(COMPILE_CHECK_TARGET, path, name, compute)
+        reason = None
+        if outcome.crashed and compute != "fp32":
+            reason = (
+                f"OpenVINO {version} crashed ({outcome.signal}) compiling it in {compute} on "
+                f"{here.describe()}; it computes in fp32"
+            )
+            _LOGGER.warning("graph '%s': %s", name, reason)
+            compute = "fp32"
+            outcome = _compile_in_child(COMPILE_CHECK_TARGET, path, name, compute)
+        if outcome.crashed:
+            raise BuildError(
+                f"OpenVINO {version} crashed ({outcome.signal}) compiling graph '{name}' in fp32 on "
+                f"{here.describe()}. Build ONNX Runtime engines on this machine instead: "
+                "`trt-cosy build --backend onnxruntime ...`."
+            )
+        if not outcome.ok:
+            raise BuildError(f"OpenVINO could not compile graph '{name}' ({path}):\n{outcome.detail}")
+        computes[name] = compute
+        if reason is not None:
+            checked[name] = dataclasses.replace(records[name], compute=compute, compute_reason=reason)
+        if progress is not None:
+            note = f" (fallback: {reason})" if reason else ""
+            progress(f"{name}: compiles in {compute} ({time.perf_counter() - start:.1f} s){note}")
+    record = {
+        "machine": here.key,
+        "cpu": here.describe(),
+        "backend_version": version,
+        "threads": default_threads(),
+        "graphs": computes,
+    }
+    return checked, record
+
+
+def _compile_in_child(target: str, path: Path, name: str, compute: str) -> Any:
+    from ..runtime.native_guard import run_in_child
+    from ..runtime.ort import default_threads
+
+    payload = {"path": str(path), "name": name, "compute": compute, "threads": default_threads()}
+    return run_in_child(target, payload)
 
 
 def _weight_matmuls(model: Any) -> list[tuple[Any, Any]]:
@@ -167,7 +253,6 @@ def derive_openvino_engines(
     computes in is decided at load time). The manifest gets the new precision and file sizes.
     """
     from ..errors import InputError
-    from ..runtime.manifest import Manifest
     from ..runtime.openvino import OV_BACKEND, OV_PRECISIONS
     from .derived import write_derived_engines
 
@@ -199,4 +284,8 @@ def derive_openvino_engines(
             if progress is not None:
                 progress(message)
 
-    return write_derived_engines(fp32_dir, out_dir, manifest, precision, compress)
+    def check(staging: Path, derived: Manifest) -> Manifest:  # each graph compiled in a child, once
+        records, compile_check = check_graph_compiles(staging, derived.graphs, precision, progress)
+        return dataclasses.replace(derived, graphs=records, compile_check=compile_check)
+
+    return write_derived_engines(fp32_dir, out_dir, manifest, precision, compress, finish=check)

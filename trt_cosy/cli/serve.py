@@ -130,7 +130,7 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
 
     for module in ("fastapi", "uvicorn", "python_multipart", "prometheus_client"):
         require(module, "serve")
-    from ..download import cache_root
+    from ..cache_dir import cache_root
     from ..server import ServerSettings, run_server
     from ..synthesis import EngineConfig
     from ..tts import CosyVoice

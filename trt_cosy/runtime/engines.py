@@ -163,7 +163,7 @@ def _load_runners(
     open_ov = None
     ov_names = [name for name in names if manifest.graph_backend(name) == OV_BACKEND]
     if ov_names:
-        open_ov = _openvino_opener(manifest.precision, ov_names, threads)
+        open_ov = _openvino_opener(manifest, ov_names, threads)
     runners: dict[str, Runner] = {}
     for name in names:
         path = engines_dir / manifest.graphs[name].file
@@ -175,22 +175,50 @@ def _load_runners(
     return runners
 
 
-def _openvino_opener(precision: str, names: list[str], threads: int | None):
+def _openvino_opener(manifest: Manifest, names: list[str], threads: int | None):
     """``open(path, name, lazy) -> runner`` for OpenVINO IR graphs, each compiled in the precision
-    ``graph_precisions`` gives it in engines of ``precision`` (lazy graphs on first use), through
-    OpenVINO's compiled-model cache (``compiled_model_cache``)."""
+    its manifest record names (a build's fallback) or else ``graph_precisions`` gives it in engines of
+    the manifest's precision (lazy graphs on first use), through OpenVINO's compiled-model cache
+    (``compiled_model_cache``). Graphs the manifest records as compiled on a machine like this one
+    (``trusted_compiles``) compile at once; the others are checked in a child process first."""
     from .openvino import LazyOvRunner, OvRunner, compiled_model_cache, graph_precisions, load_openvino
 
-    computes = graph_precisions(precision, tuple(names))
-    core = load_openvino().Core()
+    computes = graph_precisions(manifest.precision, tuple(names))
+    computes.update({name: manifest.graphs[name].compute for name in names if manifest.graphs[name].compute})
+    ov = load_openvino()
+    trusted = trusted_compiles(manifest, ov.get_version())
+    core = ov.Core()
     compiled_model_cache(core)  # a later process loads the compiled graphs instead of compiling
 
     def open_graph(path: Path, name: str, lazy: bool) -> Runner:
+        sure = trusted.get(name) == computes[name]
         if lazy:
-            return LazyOvRunner(path, name, threads, computes[name])
-        return OvRunner.from_path(path, name, threads, computes[name], core)
+            return LazyOvRunner(path, name, threads, computes[name], trusted=sure)
+        return OvRunner.from_path(path, name, threads, computes[name], core, trusted=sure)
 
     return open_graph
+
+
+def trusted_compiles(manifest: Manifest, backend_version: str) -> dict[str, str]:
+    """``{graph: compute}`` that the build compiled in a child process on a machine with this CPU
+    signature and this library version (``Manifest.compile_check``); empty elsewhere, and a line in
+    the log says that the first load here checks each graph in a child first."""
+    from .native_guard import machine
+
+    record = manifest.compile_check or {}
+    here = machine()
+    if record.get("machine") == here.key and record.get("backend_version") == backend_version:
+        return {str(name): str(compute) for name, compute in dict(record.get("graphs", {})).items()}
+    if record:
+        _LOGGER.info(
+            "these engines were compile-checked on %s with %s; this machine is %s with %s: each graph is "
+            "compiled in a child process first, once",
+            record.get("cpu", "another CPU"),
+            record.get("backend_version", "another version"),
+            here.describe(),
+            backend_version,
+        )
+    return {}
 
 
 def _check_trt_graphs(engines_dir: Path, family: str) -> None:

@@ -72,7 +72,10 @@ class GraphRecord:
     """One exported graph: its file, its I/O and the ORT-vs-torch error measured at export.
 
     ``backend``: the runtime that runs this graph, set only in ``"mixed"`` engines (one backend per
-    graph, ``runtime.engines``); None means the manifest's own backend.
+    graph, ``runtime.engines``); None means the manifest's own backend. ``compute``: the precision
+    this graph computes in when the build had to fall back from the engines' plan (an OpenVINO graph
+    whose bf16 compile crashed on the build machine runs in fp32), with ``compute_reason`` saying why;
+    None: the plan (``runtime.openvino.graph_precisions``).
     """
 
     file: str
@@ -80,6 +83,8 @@ class GraphRecord:
     outputs: tuple[TensorRecord, ...]
     max_errors: dict[str, float] = field(default_factory=dict)
     backend: str | None = None
+    compute: str | None = None
+    compute_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,14 +106,22 @@ class Manifest:
     # engines; ``build.quantize.nbits_blocks``). None: fp32 or other engines, or a manifest written
     # before it was recorded (those engines hold block 32).
     nbits_blocks: dict[str, int] | None = None
+    # The machine the build compiled each natively compiled graph on in a child process
+    # (``runtime.native_guard``): ``{"machine": key, "cpu": ..., "backend_version": ..., "graphs": {name:
+    # compute}}``. A load on a machine with the same key and library version compiles those graphs at
+    # once; elsewhere each is checked in a child first. None: nothing checked (ONNX Runtime engines).
+    compile_check: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
         if raw["nbits_blocks"] is None:  # engines without n-bit weights keep the manifest they always had
             del raw["nbits_blocks"]
+        if raw["compile_check"] is None:
+            del raw["compile_check"]
         for graph in raw["graphs"].values():  # single-backend engines keep the manifest they always had
-            if graph["backend"] is None:
-                del graph["backend"]
+            for optional in ("backend", "compute", "compute_reason"):
+                if graph[optional] is None:
+                    del graph[optional]
         return raw
 
     def graph_backend(self, name: str) -> str:
@@ -124,6 +137,8 @@ class Manifest:
                 outputs=tuple(_tensor(t) for t in graph["outputs"]),
                 max_errors={k: float(v) for k, v in graph.get("max_errors", {}).items()},
                 backend=None if graph.get("backend") is None else str(graph["backend"]),
+                compute=None if graph.get("compute") is None else str(graph["compute"]),
+                compute_reason=None if graph.get("compute_reason") is None else str(graph["compute_reason"]),
             )
             for name, graph in raw["graphs"].items()
         }
@@ -141,6 +156,7 @@ class Manifest:
             nbits_blocks=None
             if raw.get("nbits_blocks") is None
             else {str(k): int(v) for k, v in raw["nbits_blocks"].items()},
+            compile_check=None if raw.get("compile_check") is None else dict(raw["compile_check"]),
         )
 
     def write(self, engines_dir: Path) -> Path:

@@ -51,6 +51,8 @@ __all__ = [
     "pin_sinusoid_arguments",
     "drop_weight_pages",
     "RELEASE_AFTER_GRAPHS",
+    "check_compiles",
+    "compile_in_this_process",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ def compiled_model_cache(core: Any) -> Path | None:
     compiles). OpenVINO keys each entry by a hash of the model, device and settings, so a changed
     graph or precision never loads a stale entry; a hit skips the CPU plugin's weight repacking
     (the full-size estimator: 4.5 s to compile, 1.3 s from the cache, loaded machine)."""
-    from ..download import cache_root  # the user cache folder (no import at module level: layering)
+    from ..cache_dir import cache_root
 
     folder = cache_root() / "openvino"
     try:
@@ -244,10 +246,16 @@ class OvRunner:
         threads: int | None = None,
         compute: str = "fp32",
         core: Any | None = None,
+        trusted: bool = False,
     ) -> OvRunner:
         """Compile the IR (or ONNX) file ``path`` for the CPU, computing in ``compute`` (``"fp32"`` or
         ``"bf16"``; bf16 falls back to fp32 with a warning where the CPU lacks it) with ``threads``
         threads (default: physical cores). A missing or unreadable file raises ``EngineMismatchError``.
+
+        Unless ``trusted`` (the engines' manifest records that this graph compiled on a machine like
+        this one), the first compile of the graph on this machine runs in a child process first
+        (``check_compiles``): a native crash there raises ``NativeCrashError`` instead of killing this
+        process.
         """
         ov = load_openvino()
         path = Path(path)
@@ -264,6 +272,8 @@ class OvRunner:
             )
             compute = "fp32"
         config = _compile_config(threads, compute)
+        if not trusted:  # a native crash must not take this process down (runtime.native_guard)
+            check_compiles(path, name, compute, config["INFERENCE_NUM_THREADS"])
         try:
             model = core.read_model(str(path))
             names = _port_names(model)
@@ -367,13 +377,62 @@ class OvRunner:
         return OvKVDecoder(self, cache_shape)
 
 
+def check_compiles(path: Path, name: str, compute: str, threads: int) -> None:
+    """Compile ``path`` in a child process first, once per machine (``native_guard.checked_compile``):
+    a native crash raises ``NativeCrashError`` naming what to use instead."""
+    from . import native_guard
+
+    version = load_openvino().get_version()
+    remedy = (
+        "Rebuild the engines on this machine (`trt-cosy build --backend openvino ...` checks every graph and "
+        "falls back to a precision that compiles, recorded in the manifest), or use `--precision fp32` "
+        "or `--backend onnxruntime`."
+        if compute != "fp32"
+        else "Use `--backend onnxruntime` on this machine."
+    )
+    native_guard.checked_compile(
+        backend="OpenVINO",
+        version=version,
+        graph=name,
+        path=Path(path),
+        compute=compute,
+        threads=int(threads),
+        target=COMPILE_CHECK_TARGET,
+        payload={"path": str(path), "name": name, "compute": compute, "threads": int(threads)},
+        remedy=remedy,
+    )
+
+
+def compile_in_this_process(path: str, name: str, compute: str, threads: int) -> None:
+    """What the child of ``check_compiles`` runs: compile ``path`` as ``OvRunner.from_path`` would
+    (same settings, same compiled-model cache, which the parent's compile then reads)."""
+    ov = load_openvino()
+    core = ov.Core()
+    compiled_model_cache(core)
+    model = core.read_model(str(path))
+    if compute == "bf16":
+        pin_sinusoid_arguments(model)
+    core.compile_model(model, _DEVICE, _compile_config(threads, compute))
+
+
+# The function ``check_compiles`` runs in the child (``module:function``; tests point it elsewhere).
+COMPILE_CHECK_TARGET = f"{__name__}:compile_in_this_process"
+
+
 class LazyOvRunner(LazyRunner[OvRunner]):
     """An ``OvRunner`` compiled on first use (thread-safe, ``runtime.lazy.LazyRunner``): the graphs only
     some requests need (the streaming flow estimator). The file is checked at once; ``load()`` compiles it."""
 
-    def __init__(self, path: str | Path, name: str, threads: int | None = None, compute: str = "fp32"):
+    def __init__(
+        self,
+        path: str | Path,
+        name: str,
+        threads: int | None = None,
+        compute: str = "fp32",
+        trusted: bool = False,
+    ):
         super().__init__(name)
-        self._path, self._threads, self._compute = Path(path), threads, compute
+        self._path, self._threads, self._compute, self._trusted = Path(path), threads, compute, trusted
         if not self._path.is_file():
             raise EngineMismatchError(
                 f"OpenVINO model {self._path} for graph '{name}' does not exist. Rebuild it with "
@@ -381,7 +440,7 @@ class LazyOvRunner(LazyRunner[OvRunner]):
             )
 
     def _create(self) -> OvRunner:
-        return OvRunner.from_path(self._path, self.name, self._threads, self._compute)
+        return OvRunner.from_path(self._path, self.name, self._threads, self._compute, trusted=self._trusted)
 
 
 class OvKVDecoder:

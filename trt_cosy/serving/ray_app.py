@@ -92,7 +92,7 @@ class TrtCosyReplica:
         _LOGGER.info("replica %s loaded %s in %.1f s", self.name, self.tts.model_id, time.perf_counter() - started)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from ..download import cache_root
+        from ..cache_dir import cache_root
         from ..server import ServerSettings, create_app
 
         settings = dict(self.settings)
