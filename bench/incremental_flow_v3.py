@@ -27,9 +27,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from trt_cosy.builderer.models.v3.dit import DiT
+from trt_cosy.builderer.models.v3.dit_incremental import (
+    V3IncrementalEstimatorGraph,
+    v3_incremental_cache_layout,
+)
 
-from trt_cosy.build.models.v3.dit import DiT
-from trt_cosy.build.models.v3.dit_incremental import V3IncrementalEstimatorGraph, v3_incremental_cache_layout
 from trt_cosy.models.v3.config import DiTConfig, v3_config_from_release_dir
 from trt_cosy.stages.flow import cosine_t_span
 from trt_cosy.streaming import hop_schedule
@@ -154,7 +157,7 @@ def main() -> None:
         torch.manual_seed(0)
         dit = DiT(FULL_SIZE).eval()
     else:
-        from trt_cosy.build.models.v3.flow import load_flow_v3
+        from trt_cosy.builderer.models.v3.flow import load_flow_v3
 
         config = v3_config_from_release_dir(args.model_dir)
         dit = load_flow_v3(args.model_dir, config.flow).decoder.estimator

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trt_cosy.bench.quality import QualityInputs, quality_guard
 from trt_cosy.runtime.engines import load_engines
+from trt_cosy.verify.quality import QualityInputs, quality_guard
 
 
 def main() -> int:

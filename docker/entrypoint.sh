@@ -26,7 +26,7 @@ ensure_engines() {
         exit 2
     fi
     # TensorRT plans are per GPU and TensorRT version: build the missing or stale ones, keep the rest.
-    python3 -m trt_cosy.build.tensorrt "$ENGINES_DIR"
+    python3 -m trt_cosy.builder.trt.plans "$ENGINES_DIR"
 }
 
 command=${1:-serve}

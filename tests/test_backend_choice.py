@@ -188,7 +188,7 @@ def test_manifest_round_trips_nbits_blocks_and_reads_manifests_without_them(tmp_
 @pytest.fixture
 def builds(monkeypatch) -> list[dict]:
     """``build_engines`` records its arguments instead of building."""
-    import trt_cosy.build.engines as build_module
+    import trt_cosy.builder.engines as build_module
 
     calls: list[dict] = []
 

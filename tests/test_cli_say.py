@@ -140,7 +140,7 @@ def test_say_on_missing_engines_says_to_build(wavs, tmp_path):
 
 
 def test_say_model_dir_builds_engines_into_the_cache(stub_render, wavs, tmp_path, monkeypatch, v2_tiny_dir):
-    import trt_cosy.build.engines as build_module
+    import trt_cosy.builder.engines as build_module
 
     monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
     release = tmp_path / "release"
@@ -201,7 +201,7 @@ def test_say_without_a_model_downloads_builds_and_speaks(
 ):
     huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the [download] extra (huggingface_hub)")
 
-    import trt_cosy.build.engines as build_module
+    import trt_cosy.builder.engines as build_module
 
     monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
     calls: list = []
@@ -482,7 +482,7 @@ def test_verbose_after_the_subcommand(injected, tmp_path):
 def test_bench_and_serve_take_model_dir(tmp_path, monkeypatch, v2_tiny_dir):
     require_build_extra()  # engines missing from the cache are built (faked here), which needs the extra
     import trt_cosy.bench.speed as benchmark_module
-    import trt_cosy.build.engines as build_module
+    import trt_cosy.builder.engines as build_module
 
     monkeypatch.setenv("TRT_COSY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(build_module, "build_engines", lambda model_dir, out_dir, **kwargs: Path(out_dir))

@@ -1,4 +1,4 @@
-"""int8 middle-block convolutions in the flow estimator (build/estimator_int8.py), golden tiny CosyVoice2.
+"""int8 middle-block convolutions in the flow estimator (builder/quantize/estimator_int8.py), golden tiny CosyVoice2.
 
 What is quantised (the middle blocks' kernel-3 convolutions; not their residual ones, none of the
 outer blocks'), where the
@@ -24,10 +24,8 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from _support import tiny_engines
-
-from trt_cosy.bench.quality import QualityInputs, quality_guard
-from trt_cosy.build.derived import link_or_copy
-from trt_cosy.build.estimator_int8 import (
+from trt_cosy.builderer.derived import link_or_copy
+from trt_cosy.builderer.quantize.estimator_int8 import (
     CALIBRATION_UTTERANCES,
     ESTIMATOR_CONV_PATTERN,
     ESTIMATOR_GRAPHS,
@@ -35,9 +33,11 @@ from trt_cosy.build.estimator_int8 import (
     estimator_convolutions,
     quantize_estimators,
 )
-from trt_cosy.build.int8_conv import LOG_MEL_FLOOR
+from trt_cosy.builderer.quantize.int8_conv import LOG_MEL_FLOOR
+
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest
+from trt_cosy.verify.quality import QualityInputs, quality_guard
 
 MEL_SNR_BOUND = 30.0  # dB, flow mel vs fp32 on the golden inputs (measured 36.9)
 

@@ -21,10 +21,10 @@ import torch
 from _support import shared_tiny_engines
 from torch import nn
 from torch.export import Dim
+from trt_cosy.builderer import export as export_module
+from trt_cosy.builderer.export import TOLERANCES, export_graph, graph_export_plan, onnx_io_specs
+from trt_cosy.builderer.reference import load_torch_model
 
-from trt_cosy.build import export as export_module
-from trt_cosy.build.export import TOLERANCES, export_graph, graph_export_plan, onnx_io_specs
-from trt_cosy.build.reference import load_torch_model
 from trt_cosy.errors import TrtCosyError
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.graphs import GraphSpec, TensorSpec
@@ -140,7 +140,7 @@ def test_graph_matches_torch_at_two_new_lengths(tiny, torch_model, name):
     runner = OrtRunner.from_path(engines / f"{name}.onnx", name, threads=2, exported=True)
     plan = graph_export_plan(name, torch_model.config, seed=11)  # other values than the export used
     # The onnxruntime build fuses the non-streaming estimator's attention without key padding
-    # (build.ort_rewrites): it serves unpadded rows only, which is all trt-cosy ever feeds it.
+    # (builder.onnx.rewrites): it serves unpadded rows only, which is all trt-cosy ever feeds it.
     unpadded = name != graphs.FLOW_ESTIMATOR.name
     feeds = [f for f in plan.parity if unpadded or bool(np.all(f["mask"] == 1))]
     assert feeds, "no parity feed left to check"

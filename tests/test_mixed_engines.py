@@ -1,4 +1,4 @@
-"""Mixed engines (build/mixed.py): the LLM on ONNX Runtime, the flow graphs and HiFT on OpenVINO, the
+"""Mixed engines (builder/mixed.py): the LLM on ONNX Runtime, the flow graphs and HiFT on OpenVINO, the
 backend of each graph recorded in the manifest; manifest rules, golden parity, quality, say,
 streaming and concurrency.
 
@@ -29,11 +29,11 @@ from click.testing import CliRunner
 
 ov = pytest.importorskip("openvino", reason="mixed engines need `pip install 'trt-cosy[openvino]'`")
 
+from trt_cosy.builderer.derived import link_or_copy  # noqa: E402
+from trt_cosy.builderer.engines import build_engines  # noqa: E402
+from trt_cosy.builderer.flow_incremental import add_incremental_estimator  # noqa: E402
+
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
-from trt_cosy.bench.quality import QualityInputs, quality_guard  # noqa: E402
-from trt_cosy.build.derived import link_or_copy  # noqa: E402
-from trt_cosy.build.engines import build_engines  # noqa: E402
-from trt_cosy.build.flow_incremental import add_incremental_estimator  # noqa: E402
 from trt_cosy.cli import main  # noqa: E402
 from trt_cosy.errors import EngineMismatchError, InputError  # noqa: E402
 from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402
@@ -41,6 +41,7 @@ from trt_cosy.runtime.manifest import Manifest  # noqa: E402
 from trt_cosy.runtime.openvino import LazyOvRunner, OvRunner, cpu_has_bf16  # noqa: E402
 from trt_cosy.runtime.ort import LazyOrtRunner, OrtRunner  # noqa: E402
 from trt_cosy.verify.golden import GoldenSet  # noqa: E402
+from trt_cosy.verify.quality import QualityInputs, quality_guard  # noqa: E402
 
 V2_GOLDEN = Path(__file__).parent / "data" / "cosyvoice2-tiny"
 MEL_SNR_BOUND = 35.0  # dB, bf16 flow vs fp32 (measured 46.6 dB on these inputs)

@@ -1,4 +1,4 @@
-"""build.onnx_files.save_onnx: large graphs keep their weights in <file>.data, wherever the CWD is."""
+"""builder.onnx.files.save_onnx: large graphs keep their weights in <file>.data, wherever the CWD is."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-
-from trt_cosy.build import onnx_files
+from trt_cosy.builderer import onnx_files
 
 
 def _model(weight: np.ndarray) -> onnx.ModelProto:

@@ -1,5 +1,5 @@
 """The OpenVINO backend: build (IR from the plain exports), manifest rules, golden parity, precisions,
-say, streaming, concurrency and the KV decoder (runtime/openvino.py, build/openvino.py).
+say, streaming, concurrency and the KV decoder (runtime/openvino.py, builder/openvino.py).
 
 fp32 OpenVINO engines of the golden tiny checkpoints of all three families are built once per
 module (one export each, ~1 min); the bf16/int8/int4 engines are derived from them
@@ -28,10 +28,10 @@ from click.testing import CliRunner
 
 ov = pytest.importorskip("openvino", reason="the OpenVINO backend needs `pip install 'trt-cosy[openvino]'`")
 
+from trt_cosy.builderer.engines import build_engines  # noqa: E402
+from trt_cosy.builderer.openvino import INT4_GROUP, compress_matmul_weights, derive_openvino_engines  # noqa: E402
+
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
-from trt_cosy.bench.quality import QualityInputs, quality_guard  # noqa: E402
-from trt_cosy.build.engines import build_engines  # noqa: E402
-from trt_cosy.build.openvino import INT4_GROUP, compress_matmul_weights, derive_openvino_engines  # noqa: E402
 from trt_cosy.cli import main  # noqa: E402
 from trt_cosy.errors import EngineMismatchError, InputError  # noqa: E402
 from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402
@@ -45,6 +45,7 @@ from trt_cosy.runtime.openvino import (  # noqa: E402
     pin_sinusoid_arguments,
 )
 from trt_cosy.verify.golden import GoldenSet  # noqa: E402
+from trt_cosy.verify.quality import QualityInputs, quality_guard  # noqa: E402
 
 FAMILIES = ("v1", "v2", "v3")
 V2_GOLDEN = Path(__file__).parent / "data" / "cosyvoice2-tiny"

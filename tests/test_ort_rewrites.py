@@ -1,4 +1,4 @@
-"""ONNX Runtime graph rewrites (build.ort_rewrites): matched structurally, proven numerically.
+"""ONNX Runtime graph rewrites (builder.onnx.rewrites): matched structurally, proven numerically.
 
 Hand-made graphs in the exporter's spelling check each rewrite against the graph it replaces; the
 tiny CosyVoice2 build checks that the estimators really get fused (the golden-parity tests of
@@ -17,9 +17,14 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from trt_cosy.builderer.onnx.passes import (
+    EQUIVALENCE_TOLERANCE,
+    GRAPH_REWRITES,
+    check_equivalent,
+    rewrite_model,
+)
+from trt_cosy.builderer.onnx.rewrites import fuse_attention, fuse_gelu, fuse_tanh_gelu, rewrite_mish
 
-from trt_cosy.build.ort_passes import EQUIVALENCE_TOLERANCE, GRAPH_REWRITES, check_equivalent, rewrite_model
-from trt_cosy.build.ort_rewrites import fuse_attention, fuse_gelu, fuse_tanh_gelu, rewrite_mish
 from trt_cosy.errors import BuildError
 from trt_cosy.models.registry import read_release_config
 

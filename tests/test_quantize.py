@@ -1,4 +1,4 @@
-"""Reduced-precision graphs (build/quantize.py) and the ORT KV decoder, on the golden tiny LLM.
+"""Reduced-precision graphs (builder/quantize/engines.py) and the ORT KV decoder, on the golden tiny LLM.
 
 The tiny LLM graph is exported once per module (dynamo, a few seconds). The fp32 graph through
 ``OrtKVDecoder`` must match the golden cached log-probs (1e-4, golden README); the 4/8-bit graphs
@@ -18,11 +18,9 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 import onnx
 from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
-
-from trt_cosy.bench.quality import THRESHOLDS, next_token_agreement, snr_db
-from trt_cosy.build.export import export_graph, graph_export_plan
-from trt_cosy.build.modules.llm import LLMGraph, embedding_tables, load_llm
-from trt_cosy.build.quantize import (
+from trt_cosy.builderer.export import export_graph, graph_export_plan
+from trt_cosy.builderer.modules.llm import LLMGraph, embedding_tables, load_llm
+from trt_cosy.builderer.quantize.engines import (
     fuse_rms_norm,
     nbits_blocks,
     precision_plan,
@@ -30,11 +28,13 @@ from trt_cosy.build.quantize import (
     quantize_matmul_int8,
     quantize_weights_nbits,
 )
+
 from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.ort import OrtKVDecoder, OrtRunner
 from trt_cosy.stages.llm import LLMStage
+from trt_cosy.verify.quality import THRESHOLDS, next_token_agreement, snr_db
 
 TOL = 1e-4  # golden README: llm_tf_cached_logp
 PREFILL_LEN = 43  # [sos, 16 text, task, 25 prompt speech]

@@ -1,4 +1,4 @@
-"""int8/int4 engines for CosyVoice 1 and 3 (build/quantize.py): plan, graphs, quality vs fp32, say.
+"""int8/int4 engines for CosyVoice 1 and 3 (builder/quantize/engines.py): plan, graphs, quality vs fp32, say.
 
 The fp32 engines are the session's golden-tiny builds of tests/test_families_e2e.py
 (``family_engines``: built here only when that module did not run first in the session); the int4
@@ -27,16 +27,16 @@ import onnx
 import soundfile
 from _support import GOLDEN, family_engines
 from click.testing import CliRunner
+from trt_cosy.builderer.family_engines import check_family_options
+from trt_cosy.builderer.quantize.engines import QUANTIZABLE_FAMILIES, derive_engines, precision_plan
+from trt_cosy.builderer.quantize.estimator_int8 import ESTIMATOR_GRAPHS, estimator_convolutions
+from trt_cosy.builderer.quantize.vocoder_int8 import int8_convolutions
 
-from trt_cosy.bench.quality import THRESHOLDS, QualityInputs, quality_guard
-from trt_cosy.build.estimator_int8 import ESTIMATOR_GRAPHS, estimator_convolutions
-from trt_cosy.build.family_engines import check_family_options
-from trt_cosy.build.quantize import QUANTIZABLE_FAMILIES, derive_engines, precision_plan
-from trt_cosy.build.vocoder_int8 import int8_convolutions
 from trt_cosy.cli import main
 from trt_cosy.errors import InputError
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest
+from trt_cosy.verify.quality import THRESHOLDS, QualityInputs, quality_guard
 
 FAMILIES = ("v1", "v3")
 KL_BOUND = 0.01  # nats, LLM next-token KL mean vs fp32 (measured int4: 0.0019 v1, 0.0009 v3)
@@ -146,7 +146,7 @@ def test_int4_graphs_change_where_the_plan_says(fp32, int4, family):
                 gemms = 0
             assert after["MatMul"] == before["MatMul"] - expected + gemms, (plan.graph, after)
             assert after["Gemm"] == 0, after
-            # the U-Net's middle-block convolutions in QDQ form (build/estimator_int8.py), none in the DiT
+            # the U-Net's middle-block convolutions in QDQ form (builder/quantize/estimator_int8.py), none in the DiT
             middle = len(estimator_convolutions(onnx.load(str(fp32[family] / f"{plan.graph}.onnx"))))
             assert (middle > 0) == (plan.graph in ESTIMATOR_GRAPHS[family]), (plan.graph, middle)
             if plan.graph not in ESTIMATOR_GRAPHS[family]:

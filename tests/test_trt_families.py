@@ -146,7 +146,7 @@ def test_v3_profile_selection_for_typical_shapes(configs):
 
 def test_v1_source_phase_is_float32_and_matches_the_official_rounding():
     torch = pytest.importorskip("torch")
-    from trt_cosy.build.models.v1.hift import SineGenSource
+    from trt_cosy.builderer.models.v1.hift import SineGenSource
 
     source = SineGenSource(22050, 8, 0.1, 0.003, 10.0, 256)
     generator = torch.Generator().manual_seed(0)
@@ -177,7 +177,7 @@ def test_v1_source_phase_is_float32_and_matches_the_official_rounding():
 
 
 def test_float64_graphs_are_refused():
-    from trt_cosy.build.precision import convert_model_fp16
+    from trt_cosy.builderer.quantize.precision import convert_model_fp16
 
     nodes = [
         helper.make_node("Cast", ["x"], ["x64"], to=TensorProto.DOUBLE),
@@ -351,7 +351,7 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_summary(built, configs, famil
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["v1", "v3"])
 def test_fp16_graphs_track_fp32_on_golden_inputs(built, configs, family):
-    from trt_cosy.build.precision import compare_fp16
+    from trt_cosy.builderer.quantize.precision import compare_fp16
 
     out, config = built[family], configs[family]
     feeds = (_v1_feeds if family == "v1" else _v3_feeds)(out, config)

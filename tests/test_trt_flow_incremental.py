@@ -215,7 +215,7 @@ def trt_tiny(tmp_path_factory, v2_tiny_dir) -> Path:
     if os.environ.get("TRT_COSY_TRT_ENGINES"):
         return Path(os.environ["TRT_COSY_TRT_ENGINES"])
     pytest.importorskip("torch", reason="building engines needs the [build] extra")
-    from trt_cosy.build.engines import build_engines
+    from trt_cosy.builderer.engines import build_engines
 
     return build_engines(
         v2_tiny_dir, tmp_path_factory.mktemp("trt-inc") / "engines", backend="tensorrt", precision="fp16",
@@ -386,7 +386,8 @@ def test_a_trt_runner_binds_the_cache_tensors_and_matches_onnxruntime(trt_tiny, 
 def _gpu_runners(engines: Path, tmp_path: Path) -> dict:
     """TrtRunners of the encoder, both estimators and the incremental estimator: the plans the engines
     directory has (``trt-cosy build --backend tensorrt``), else plans built here from its fp16 graphs."""
-    from trt_cosy.build.tensorrt import build_plan
+    from trt_cosy.builderer.trt.plans import build_plan
+
     from trt_cosy.runtime.profiles import read_profiles
     from trt_cosy.runtime.trt import TrtRunner
 

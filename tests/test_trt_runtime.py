@@ -559,7 +559,7 @@ def test_tensorrt_modules_import_without_tensorrt_or_cuda():
         sys.modules["tensorrt"] = None  # importing it raises ImportError
         sys.modules["cuda"] = None
         import trt_cosy
-        import trt_cosy.runtime.trt, trt_cosy.runtime.cuda, trt_cosy.runtime.profiles, trt_cosy.build.tensorrt
+        import trt_cosy.runtime.trt, trt_cosy.runtime.cuda, trt_cosy.runtime.profiles, trt_cosy.builder.trt.plans
         from trt_cosy.runtime.cuda import gpu_unavailable_reason
         print(gpu_unavailable_reason())
     """)
@@ -592,7 +592,8 @@ def _toy_onnx(path):
 @pytest.mark.gpu
 @pytest.mark.skipif(_NO_GPU is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_NO_GPU}")
 def test_toy_plan_matches_onnxruntime_on_gpu(tmp_path):
-    from trt_cosy.build.tensorrt import build_plan
+    from trt_cosy.builderer.trt.plans import build_plan
+
     from trt_cosy.runtime.ort import OrtRunner
 
     source = _toy_onnx(tmp_path / "toy.onnx")
@@ -613,7 +614,8 @@ def test_two_threads_on_two_slots_match_onnxruntime_on_gpu(tmp_path):
     lengths across both profiles, every output against ONNX Runtime."""
     import threading
 
-    from trt_cosy.build.tensorrt import build_plan
+    from trt_cosy.builderer.trt.plans import build_plan
+
     from trt_cosy.runtime.ort import OrtRunner
 
     source = _toy_onnx(tmp_path / "toy.onnx")

@@ -1,4 +1,4 @@
-"""int8 residual-block convolutions in HiFT (build/vocoder_int8.py), on the golden tiny CosyVoice2.
+"""int8 residual-block convolutions in HiFT (builder/quantize/vocoder_int8.py), on the golden tiny CosyVoice2.
 
 What is quantised (the generator's and the source branch's residual blocks, nothing of the f0
 predictor), where the calibration feeds come from (the checkpoint's own flow through the family's
@@ -23,20 +23,20 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from _support import tiny_engines, tiny_release
-
-from trt_cosy.bench.quality import snr_db
-from trt_cosy.build.derived import link_or_copy
-from trt_cosy.build.quantize import derive_engines
-from trt_cosy.build.vocoder_int8 import (
+from trt_cosy.builderer.derived import link_or_copy
+from trt_cosy.builderer.quantize.engines import derive_engines
+from trt_cosy.builderer.quantize.vocoder_int8 import (
     CALIBRATION_UTTERANCES,
     INT8_CONV_PREFIXES,
     calibration_feeds,
     int8_convolutions,
     quantize_vocoders,
 )
+
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest
 from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.verify.quality import snr_db
 
 SNR_BOUND = 30.0  # dB, waveform vs fp32 (measured 37.4 on the golden inputs)
 
@@ -112,7 +112,7 @@ def test_quantised_vocoder_is_written_aside_and_stays_close_to_fp32(engines, v2_
 
 @pytest.mark.slow
 def test_an_int4_build_quantises_the_vocoder_and_its_manifest_holds(tmp_path_factory, v2_tiny_dir, tmp_path):
-    from trt_cosy.build.engines import build_engines
+    from trt_cosy.builderer.engines import build_engines
 
     out = build_engines(tiny_release(tmp_path_factory, v2_tiny_dir), tmp_path / "int4", precision="int4")
     Manifest.read(out).check(out, precision="int4")  # file sizes recorded after the vocoder's rewrite

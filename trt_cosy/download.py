@@ -285,7 +285,7 @@ def _prepare(model_dir: Path, choice: BackendChoice, progress: Progress | None) 
         )
     require("torch", "build")
     require("onnx", "build")
-    from .build.engines import build_engines
+    from .builder.engines import build_engines
 
     return build_engines(
         model_dir, out_dir, backend=backend, precision=precision, progress=progress, backend_reason=choice.reason

@@ -98,7 +98,7 @@ class CosyVoice:
 
     Args:
         model: the graphs, tables and config (``trt_cosy.runtime.engines.load_engines`` or the torch
-            reference ``trt_cosy.build.reference.load_torch_model``).
+            reference ``trt_cosy.builder.reference.load_torch_model``).
         tokenizer: the text tokenizer (``QwenTextTokenizer``; ``families.V1TextTokenizer`` for v1).
         voice_builder: makes voices from reference recordings; its ``model_id`` is checked against
             every voice used.

@@ -51,7 +51,7 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
 
     require("torch", "build")
     require("onnx", "build")
-    from ..build.engines import build_engines
+    from ..builder.engines import build_engines
     from ..runtime.backend_choice import AUTO, BackendChoice, resolve_backend
 
     choice = resolve_backend(backend, precision)
@@ -117,7 +117,7 @@ def make_test_model(out: Path, family: str, size: str, seed: int, overwrite: boo
     if out.is_dir() and any(out.iterdir()) and not overwrite:  # before the slow torch import
         raise InputError(f"{out} exists and is not empty; choose another --out or pass --overwrite.")
     require("torch", "build")
-    from ..build.testmodel import make_test_model as write
+    from ..builder.testmodel.release import make_test_model as write
 
     path = write(out, size=size, seed=seed, overwrite=overwrite, family=family)
     click.echo(

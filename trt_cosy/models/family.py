@@ -4,7 +4,7 @@ One subclass per family, in ``trt_cosy/models/<name>/family.py``, holds everythi
 between CosyVoice 1, 2 and 3 on the inference side; ``trt_cosy.models.registry`` maps a release
 directory, a model config or a manifest's ``family`` field to its instance. Shared code asks the
 family object and never compares family names. The torch side (modules, export plans, reference
-runner, test-model writer) is ``trt_cosy.build.models.family.BuildFamily``.
+runner, test-model writer) is ``trt_cosy.builder.models.family.BuildFamily``.
 
 A family object is stateless: one instance serves every model of the family.
 """
@@ -30,7 +30,7 @@ __all__ = ["Family", "QualityFeeds"]
 
 
 class QualityFeeds(ABC):
-    """The quality guard's per-stage calls (``trt_cosy.bench.quality``) for one family.
+    """The quality guard's per-stage calls (``trt_cosy.verify.quality``) for one family.
 
     ``inputs`` is a ``bench.quality.QualityInputs``; every method runs the family's own host stages
     on ``model``'s runners, so the fp32 and the reduced-precision model see the same feeds.

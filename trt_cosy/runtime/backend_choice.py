@@ -57,12 +57,12 @@ class CpuPick:
 CPU_PICKS: Final = (
     CpuPick("onnxruntime", "int4", False, "ONNX Runtime int4 is the fastest measured CPU engine"),
 )
-# What each backend builds (build.engines checks the same; kept here so the runtime needs no build import).
+# What each backend builds (builder.engines checks the same; kept here so the runtime needs no build import).
 _PRECISIONS: Final = {
     "tensorrt": ("fp16", "fp32"),
     "onnxruntime": ("fp32", "int8", "int4"),
     "openvino": ("fp32", "bf16", "int8", "int4"),
-    "mixed": ("fp32", "int8", "int4"),  # the LLM's precision on ONNX Runtime (build.mixed)
+    "mixed": ("fp32", "int8", "int4"),  # the LLM's precision on ONNX Runtime (builder.mixed)
 }
 DEFAULT_PRECISIONS: Final = {"onnxruntime": "int4", "tensorrt": "fp16", "openvino": "bf16", "mixed": "int4"}
 

@@ -45,7 +45,7 @@ TRT_BACKEND: Final = "tensorrt"
 OV_BACKEND: Final = "openvino"
 MIXED_BACKEND: Final = "mixed"  # per-graph backends: the LLM on ONNX Runtime, the rest on OpenVINO
 AUTO_BACKEND: Final = "auto"  # load_engines: the manifest's backend
-# File names inside an engines directory, shared with the builder (trt_cosy/build/engines.py).
+# File names inside an engines directory, shared with the builder (trt_cosy/builder/engines.py).
 TABLE_NAMES: Final = ("text_embedding", "speech_embedding", "llm_embedding")  # <name>.npy
 MODEL_CONFIG_NAME: Final = "model_config.json"
 FLOW_NOISE_NAME: Final = "flow_noise.npy"  # v2/v3: the official fixed CFM noise [1, 80, 15000]

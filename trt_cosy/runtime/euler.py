@@ -2,7 +2,7 @@
 
 ``stages.flow.solve_euler`` runs the estimator once per step and updates x on the host: on
 TensorRT that is a device -> host -> device round trip and a stream synchronize per step. The
-``FLOW_STEP`` graph (``build.flow_step.wrap_estimator_step``: estimator + guidance + Euler update)
+``FLOW_STEP`` graph (``builder.flow_step.wrap_estimator_step``: estimator + guidance + Euler update)
 takes x [1, 80, F] and returns x_next, so ``DeviceEulerLoop`` can queue all n steps on one stream:
 
 * mask, mu, spks, cond and the start noise x0 are copied to the device once per solve;

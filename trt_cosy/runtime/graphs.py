@@ -1,6 +1,6 @@
 """The graph contracts: what each exported stage takes and returns, by name.
 
-Shared by the torch reference modules (``trt_cosy.build.modules``), the ONNX export, the
+Shared by the torch reference modules (``trt_cosy.builder.modules``), the ONNX export, the
 runtime runners and the TensorRT profiles. Shapes use B (batch), T (new positions), P (cached
 positions), N (tokens), F (mel frames), S (samples), L (layers), H (KV heads), Dh (head dim).
 """
@@ -55,7 +55,7 @@ LLM: Final = GraphSpec(
 )
 
 # The batched decode form of ``LLM`` (ONNX Runtime engines of the Qwen2 families; written by
-# ``build.ort_llm_batch``, driven by ``stages.llm_batch``). Per layer i: ``past_key_<i>`` and
+# ``builder.onnx.llm_batch``, driven by ``stages.llm_batch``). Per layer i: ``past_key_<i>`` and
 # ``past_value_<i>`` [B, H, P, Dh] in, ``present_key_<i>`` / ``present_value_<i>`` [B, H, P, Dh]
 # out, bound to the same buffers (written in place). Row b attends to its first
 # ``seqlens_k[b] + 1`` positions; its T new inputs take positions ``seqlens_k[b] + 1 - T`` on.
@@ -106,7 +106,7 @@ FLOW_ESTIMATOR: Final = GraphSpec("flow_estimator", _ESTIMATOR_INPUTS, _ESTIMATO
 FLOW_ESTIMATOR_STREAM: Final = GraphSpec("flow_estimator_stream", _ESTIMATOR_INPUTS, _ESTIMATOR_OUTPUTS)
 
 # One chunk-attention Euler step on the T new frames of a streaming chunk (CosyVoice2; written by
-# ``build.flow_incremental``, driven by ``stages.flow_incremental``). ``past_blocks``: per completed
+# ``builder.flow_incremental``, driven by ``stages.flow_incremental``). ``past_blocks``: per completed
 # frame (P, a multiple of the 50-frame chunk), per transformer block (L), per CFG row, the block's
 # normalised input (D wide); ``past_tails``: the last 2 input frames of every causal convolution
 # (C channels in all; zeros when P = 0). The mask is all ones (no input). Not part of ``GRAPHS``:

@@ -1,5 +1,5 @@
 """The contract of ``llm_decode``: the batched LLM decode step in plain ONNX, for TensorRT engines of
-the Qwen2 families (exported by ``build.trt_llm_decode`` from ``build.modules.llm_decode``, driven by
+the Qwen2 families (exported by ``builder.trt.llm_decode`` from ``builder.modules.llm_decode``, driven by
 ``runtime.trt_batch`` and ``stages.llm_batch``).
 
 Per step, B rows (requests) each add one position. Inputs: ``inputs_embeds`` [B, 1, D];

@@ -103,7 +103,7 @@ class Manifest:
     # Why this backend/precision (``runtime.backend_choice``); optional: older manifests lack it.
     backend_reason: str | None = None
     # graph -> MatMulNBits block size along K of its n-bit weights (int8/int4 ONNX Runtime and mixed
-    # engines; ``build.quantize.nbits_blocks``). None: fp32 or other engines, or a manifest written
+    # engines; ``builder.quantize.engines.nbits_blocks``). None: fp32 or other engines, or a manifest written
     # before it was recorded (those engines hold block 32).
     nbits_blocks: dict[str, int] | None = None
     # The machine the build compiled each natively compiled graph on in a child process

@@ -8,7 +8,7 @@ never reconverts. What each engines precision means at run time (``graph_precisi
 * ``bf16``: every graph computes in bfloat16 (OpenVINO's ``INFERENCE_PRECISION_HINT``) except the
   graphs in ``FP32_GRAPHS`` (numeric islands measured to need float32, docs/precision.md). Needs a
   CPU with AVX512-BF16 or AMX (``cpu_has_bf16``); elsewhere they run in float32, with a warning.
-* ``int8`` / ``int4``: the LLM's MatMul weights are stored 8/4-bit (``build.openvino``); the
+* ``int8`` / ``int4``: the LLM's MatMul weights are stored 8/4-bit (``builder.openvino``); the
   graphs compute as for ``bf16``.
 
 Memory (``OvRunner.infer``, docs/benchmarks.md "Mixed engines"): OpenVINO maps each graph's weights

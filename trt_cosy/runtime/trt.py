@@ -17,7 +17,7 @@ Concurrency: each slot owns its context, stream, buffers and activation memory; 
 free slot from a queue, so several threads may share one runner (one request per slot at a time).
 Contexts in concurrent use must use separate optimization profiles (``NvInferRuntime.h``,
 ``class IExecutionContext``), so a plan built for S slots holds its P profiles S times and slot k
-uses profiles k·P … k·P + P − 1 (``build.tensorrt.build_plan(slots=S)``). Activation memory is
+uses profiles k·P … k·P + P − 1 (``builder.trt.plans.build_plan(slots=S)``). Activation memory is
 user-managed (``ExecutionContextAllocationStrategy.USER_MANAGED``): each slot holds one grow-only
 block sized by ``get_device_memory_size_for_profile_v2`` for the largest profile it has selected,
 so a slot that only ever streams never reserves the activations of the long profile.
@@ -101,7 +101,7 @@ def load_plan_runners(
             raise EngineMismatchError(
                 f"TensorRT plan for '{name}' in {engines_dir} was built for {record.slots} concurrent "
                 f"slot(s), {slots} asked for. Use fewer slots or rebuild the plans: run "
-                f"`python -m trt_cosy.build.tensorrt {engines_dir} --slots {slots}`."
+                f"`python -m trt_cosy.builder.trt.plans {engines_dir} --slots {slots}`."
             )
         # llm_decode reads the KV slots where runtime.trt_batch keeps them: no buffers of its own for them
         external = device_cache_inputs(graph.input_names) if name == LLM_DECODE_NAME else ()

@@ -80,7 +80,7 @@ class PlanIO:
 
     def check_profiles(self, slots: int) -> None:
         """The plan must hold profiles.json's profiles once per slot (slot k: k·P … k·P + P − 1)."""
-        rebuild = "Rebuild the plans: run `python -m trt_cosy.build.tensorrt ENGINES_DIR --force`."
+        rebuild = "Rebuild the plans: run `python -m trt_cosy.builder.trt.plans ENGINES_DIR --force`."
         if set(self.input_names) != set(self.profiles.input_names):
             raise EngineMismatchError(
                 f"TensorRT plan of '{self.name}' has inputs {sorted(self.input_names)}, the "
@@ -96,7 +96,7 @@ class PlanIO:
             raise EngineMismatchError(
                 f"TensorRT plan of '{self.name}' was built for {total // per_slot} concurrent slot(s); {slots} "
                 "were asked for (contexts in concurrent use need separate profiles). Use fewer slots or "
-                f"rebuild: `python -m trt_cosy.build.tensorrt ENGINES_DIR --slots {slots}`."
+                f"rebuild: `python -m trt_cosy.builder.trt.plans ENGINES_DIR --slots {slots}`."
             )
         for index in range(total):
             profile = self.profiles.profiles[index % per_slot]

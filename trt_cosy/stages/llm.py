@@ -36,7 +36,7 @@ class LLMStage:
     Args:
         runner: any Runner for the ``LLM`` graph (torch reference, ONNX Runtime, TensorRT).
         tables: float32 ``text_embedding`` (vocab, D), ``speech_embedding`` (V, D) and
-            ``llm_embedding`` (2, D), as written by ``build.modules.llm.embedding_tables``.
+            ``llm_embedding`` (2, D), as written by ``builder.modules.llm.embedding_tables``.
         config: the release's ``LLMConfig`` (vocab sizes, sampling and length ratios).
     """
 

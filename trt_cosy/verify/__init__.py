@@ -34,7 +34,7 @@ def load_backend(backend: str, model_dir: Path, engines: Path | None, threads: i
     """Load the model for ``backend``: ``torch`` runs our reference modules on the checkpoint."""
     if backend == "torch":
         require("torch", "build")
-        from ..build.reference import load_torch_model
+        from ..builder.reference import load_torch_model
 
         return load_torch_model(model_dir, threads=threads)
     from ..models.registry import family_of_release

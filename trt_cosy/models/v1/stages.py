@@ -456,7 +456,7 @@ def _as_ids(ids: np.ndarray, name: str, limit: int) -> np.ndarray:
 
 
 def load_speakers(path: Path) -> dict[str, np.ndarray]:
-    """Preset speakers written by ``trt_cosy.build.spk2info.write_speakers``: name -> embedding [192]."""
+    """Preset speakers written by ``trt_cosy.builder.spk2info.write_speakers``: name -> embedding [192]."""
     try:
         with np.load(Path(path), allow_pickle=False) as data:
             return {

@@ -132,7 +132,7 @@ class V2Family(Family):
         if flow.incremental_runner is None and model.backend in ("onnxruntime", "openvino", "mixed"):
             _LOGGER.info(
                 "these engines have no %s graph: streaming chunks recompute the flow from the start; rebuild "
-                "them (or add it with trt_cosy.build.flow_incremental.add_incremental_estimator) for "
+                "them (or add it with trt_cosy.builder.flow_incremental.add_incremental_estimator) for "
                 "incremental chunks",
                 graphs.FLOW_ESTIMATOR_INCREMENTAL.name,
             )

@@ -1,0 +1,130 @@
+"""What ``trt-cosy build`` does differently per model family (CosyVoice 1, 2, 3).
+
+``builder.engines`` runs the same steps for every release; these calls hand the family-specific parts
+to the release's ``BuildFamily`` (``builder/models/<name>/family.py``) and ``Family``:
+
+* ``load_model_for_build``: the torch reference model; for CosyVoice3 with the fixed HiFT noise cut
+  to the longest synthesis the engines allow (``hift_noise_seconds``).
+* ``export_family``: the graph set of the family (``Family.graphs``), each exported and checked
+  against torch on ONNX Runtime.
+* ``write_model_data``: the LLM lookup tables, the fixed CFM noise (v2/v3), the fixed HiFT noise
+  (v3) and the preset speakers of ``spk2info.pt`` (v1 -SFT/-Instruct).
+* ``copy_v1_tokenizer`` / ``frontend_files``: the text tokenizer and frontend models to carry.
+
+CosyVoice 1 has no fixed CFM noise (fresh noise per call), so it writes no ``flow_noise.npy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import InputError
+from ..models.registry import FAMILIES, family_named, family_of_release
+from ..models.v1.config import V1ModelConfig
+from ..models.v1.tokenizer import V1_TOKENIZER_FILE
+from ..runtime.engines import FLOW_NOISE_NAME, HIFT_NOISE_NAME, TABLE_NAMES
+from ..runtime.model import LoadedModel
+from .export import ExportResult, GraphPlan, Progress
+from .models.registry import build_family_of, build_family_of_release
+from .models.v3.family import hift_noise_seconds
+
+__all__ = [
+    "FRONTEND_FILES",
+    "check_family_options",
+    "hift_noise_seconds",
+    "load_model_for_build",
+    "export_family",
+    "export_plan",
+    "write_model_data",
+    "copy_v1_tokenizer",
+    "frontend_files",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+# campplus is shared; the speech tokenizer is per family (50 Hz v1, 25 Hz v2 and v3): ``Family.frontend_files``.
+FRONTEND_FILES: Final = {known.name: known.frontend_files for known in FAMILIES.values()}
+
+
+def check_family_options(model_dir: Path, backend: str, precision: str) -> str:
+    """The release's family; ``InputError`` when this backend/precision cannot be built for it.
+
+    Which families each path knows is data kept next to the code that does the work:
+    ``quantize.QUANTIZABLE_FAMILIES`` (int8/int4 graphs) and ``tensorrt.TRT_FAMILIES`` (fp16 graphs
+    and plans).
+    """
+    from .quantize.engines import QUANTIZABLE_FAMILIES
+    from .trt.plans import TRT_FAMILIES
+
+    family = family_of_release(model_dir).name
+    if backend == "openvino":  # every family: the plain exports converted (builder.openvino)
+        return family
+    if backend == "tensorrt":
+        supported = TRT_FAMILIES
+    elif precision != "fp32":
+        supported = QUANTIZABLE_FAMILIES
+    else:
+        return family
+    if family not in supported:
+        raise InputError(
+            f"{backend}/{precision} engines are not available for this model family ({family}) in this "
+            f"version; build {model_dir} with --backend onnxruntime --precision fp32."
+        )
+    return family
+
+
+def load_model_for_build(model_dir: Path) -> LoadedModel:
+    """The torch reference model of any family (v3: HiFT noise cut to ``hift_noise_seconds``)."""
+    return build_family_of_release(model_dir).load_for_build(model_dir)
+
+
+def export_plan(config: ModelConfig | V1ModelConfig, name: str) -> GraphPlan:
+    """The export plan (sample and parity feeds) of graph ``name`` of ``config``'s family."""
+    return build_family_of(config).export_plan(config, name)
+
+
+def export_family(
+    model: LoadedModel, out_dir: Path, progress: Progress | None = None
+) -> dict[str, ExportResult]:
+    """Export every graph of the model's family to ``out_dir/<graph>.onnx`` with the parity checks."""
+    return build_family_of(model.config).export(model, Path(out_dir), progress)
+
+
+def write_model_data(model: LoadedModel, model_dir: Path, staging: Path) -> None:
+    """The host-side data of the engines: LLM tables, fixed noise (v2/v3), preset speakers (v1)."""
+    for name in TABLE_NAMES:
+        table = np.ascontiguousarray(model.llm_tables[name], dtype=np.float32)  # [rows, D]
+        np.save(staging / f"{name}.npy", table)
+    family = family_named(model.config.family)
+    if family.fixed_flow_noise:
+        np.save(staging / FLOW_NOISE_NAME, np.ascontiguousarray(model.flow_noise, dtype=np.float32))
+    if family.fixed_hift_noise:
+        np.save(staging / HIFT_NOISE_NAME, np.ascontiguousarray(model.hift_noise, dtype=np.float32))
+    build_family_of(model.config).write_extra_data(model, Path(model_dir), staging)
+
+
+def copy_v1_tokenizer(model_dir: Path, tokenizer_dir: Path) -> None:
+    """Copy whisper's ``multilingual.tiktoken`` (put next to ``cosyvoice.yaml``) into ``tokenizer_dir``."""
+    source = Path(model_dir) / V1_TOKENIZER_FILE
+    if not source.is_file():
+        _LOGGER.warning(
+            "%s has no %s (openai-whisper's whisper/assets/%s): the engines carry no text tokenizer; "
+            "copy it next to cosyvoice.yaml and rebuild before synthesising",
+            model_dir,
+            V1_TOKENIZER_FILE,
+            V1_TOKENIZER_FILE,
+        )
+        return
+    tokenizer_dir.mkdir(exist_ok=True)
+    shutil.copy2(source, tokenizer_dir / V1_TOKENIZER_FILE)
+
+
+def frontend_files(family: str) -> tuple[str, ...]:
+    """The release's frontend models the engines carry (speaker model, speech tokenizer)."""
+    return family_named(family).frontend_files

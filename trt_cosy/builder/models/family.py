@@ -1,0 +1,54 @@
+"""What a model family is to ``trt-cosy build``: the torch side of a ``Family`` (``BuildFamily``).
+
+Each family has one subclass, ``trt_cosy/builder/models/<name>/family.py``, holding the torch reference
+loader, the export plans and exporter of the family's graph set, the host data only it writes and
+its random test-model writer; ``trt_cosy.builder.models.registry`` maps a release directory or a
+model config to it. Torch is imported only under ``trt_cosy/builder/``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ...models.family import Family
+from ...runtime.model import LoadedModel
+from ..export import ExportResult, GraphPlan, Progress
+
+__all__ = ["BuildFamily"]
+
+
+class BuildFamily(ABC):
+    """The build steps of one family; ``family`` is its inference-side ``Family``."""
+
+    family: ClassVar[Family]
+
+    @abstractmethod
+    def load_torch_model(
+        self, model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None
+    ) -> LoadedModel:
+        """Our torch modules on the release's checkpoint (fp32, CPU), behind ``TorchRunner``s."""
+
+    def load_for_build(self, model_dir: Path) -> LoadedModel:
+        """The torch model ``trt-cosy build`` exports (the family may trim what the engines keep)."""
+        return self.load_torch_model(model_dir)
+
+    @abstractmethod
+    def export_plan(self, config: Any, name: str) -> GraphPlan:
+        """The export plan (sample and parity feeds, dynamic dims) of graph ``name``."""
+
+    @abstractmethod
+    def export(self, model: LoadedModel, out_dir: Path, progress: Progress | None = None) -> dict[str, ExportResult]:
+        """Export every graph of the family to ``out_dir/<graph>.onnx`` with the parity checks."""
+
+    def write_extra_data(self, model: LoadedModel, model_dir: Path, staging: Path) -> None:
+        """Host data only this family's engines carry (beyond the tables and fixed noise); none by default."""
+        return None
+
+    @abstractmethod
+    def write_test_release(self, root: Path, size: str, seed: int) -> None:
+        """Write a random-weight release directory of this family to ``root`` (``trt-cosy make-test-model``)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.family.name!r}>"

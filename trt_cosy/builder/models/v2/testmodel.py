@@ -1,0 +1,36 @@
+"""A random-weight CosyVoice2 release directory (``trt-cosy make-test-model --family v2``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ....models.v2.config import v2_config_from_release_dir
+from ...modules.flow import CosyVoice2Flow
+from ...modules.hift import HiFTGenerator
+from ...modules.llm import CosyVoice2LM
+from ...testmodel.parts import write_checkpoints, write_qwen_dir
+from ...testmodel.standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
+from .yaml_template import FULL_SIZES, TINY_SIZES, render_cosyvoice2_yaml
+
+__all__ = ["write_release_v2"]
+
+
+def write_release_v2(root: Path, size: str, seed: int) -> None:
+    sizes = TINY_SIZES if size == "tiny" else FULL_SIZES
+    (root / "cosyvoice2.yaml").write_text(render_cosyvoice2_yaml(sizes, size), encoding="utf-8")
+    write_qwen_dir(root, size)
+    config = v2_config_from_release_dir(root)
+
+    write_checkpoints(
+        root,
+        seed,
+        lambda: CosyVoice2LM(config.llm),
+        lambda: CosyVoice2Flow(config.flow),
+        lambda: HiFTGenerator(config.hift),
+        tied_llm=True,
+    )
+    rng = np.random.default_rng(seed)
+    write_standin_campplus(root / "campplus.onnx", rng)
+    write_standin_speech_tokenizer(root / "speech_tokenizer_v2.onnx", rng)
