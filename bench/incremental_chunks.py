@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from trt_cosy.builderer.engines import build_engines
+from trt_cosy.builder.engines import build_engines
 
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.engines import load_engines

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from trt_cosy.builderer.modules.flow import load_flow
-from trt_cosy.builderer.modules.flow_estimator_incremental import (
+from trt_cosy.builder.modules.flow import load_flow
+from trt_cosy.builder.modules.flow_estimator_incremental import (
     IncrementalEstimatorGraph,
     incremental_cache_layout,
 )

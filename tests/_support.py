@@ -55,7 +55,7 @@ def tiny_release(factory, golden_dir):
     import shutil
 
     require_build_extra()
-    from trt_cosy.builderer.testmodel.release import make_test_model
+    from trt_cosy.builder.testmodel.release import make_test_model
 
     from trt_cosy.config import QWEN_DIR
 
@@ -74,7 +74,7 @@ def tiny_release(factory, golden_dir):
 def tiny_engines(factory, golden_dir):
     """ONNX Runtime engines of ``tiny_release``, built once per session (later calls are manifest skips)."""
     require_build_extra()
-    from trt_cosy.builderer.engines import build_engines
+    from trt_cosy.builder.engines import build_engines
 
     return build_engines(tiny_release(factory, golden_dir), factory.getbasetemp() / "tiny-engines")
 
@@ -126,7 +126,7 @@ def family_release(factory: pytest.TempPathFactory, family: str) -> Path:
     verify them against the golden reference with it as ``--model-dir``).
     """
     require_build_extra()
-    from trt_cosy.builderer.testmodel.release import make_test_model
+    from trt_cosy.builder.testmodel.release import make_test_model
 
     base = factory.getbasetemp()
     release = base / f"{family}-tiny-release"
@@ -147,6 +147,6 @@ def family_release(factory: pytest.TempPathFactory, family: str) -> Path:
 def family_engines(factory: pytest.TempPathFactory, family: str) -> Path:
     """ONNX Runtime engines of ``family_release``, built once per session (later calls are manifest skips)."""
     require_build_extra()
-    from trt_cosy.builderer.engines import build_engines
+    from trt_cosy.builder.engines import build_engines
 
     return build_engines(family_release(factory, family), factory.getbasetemp() / f"{family}-tiny-engines")

@@ -21,7 +21,7 @@ from trt_cosy.tts import model_id_from_checkpoint
 
 def make_torch_tts(release: Path) -> CosyVoice:
     """CosyVoice injected with the torch reference model (fast to load; used where nothing is synthesised)."""
-    from trt_cosy.builderer.reference import load_torch_model
+    from trt_cosy.builder.reference import load_torch_model
 
     model = load_torch_model(release)
     tokenizer = QwenTextTokenizer.from_dir(release / QWEN_DIR)

@@ -24,8 +24,8 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from _support import tiny_engines
-from trt_cosy.builderer.derived import link_or_copy
-from trt_cosy.builderer.quantize.estimator_int8 import (
+from trt_cosy.builder.derived import link_or_copy
+from trt_cosy.builder.quantize.estimator_int8 import (
     CALIBRATION_UTTERANCES,
     ESTIMATOR_CONV_PATTERN,
     ESTIMATOR_GRAPHS,
@@ -33,7 +33,7 @@ from trt_cosy.builderer.quantize.estimator_int8 import (
     estimator_convolutions,
     quantize_estimators,
 )
-from trt_cosy.builderer.quantize.int8_conv import LOG_MEL_FLOOR
+from trt_cosy.builder.quantize.int8_conv import LOG_MEL_FLOOR
 
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest

@@ -20,7 +20,7 @@ from _flow_step_support import CFG_RATE, MELS, _host_solve, _inputs, _NumpyEstim
 from trt_fakes import FAKE_TRT, FakeContext, FakeEngine, aligned_block
 
 from trt_cosy.config import ModelConfig
-from trt_cosy.models.registry import read_release_config
+from trt_cosy.models.registry import read_release_config, trt_profiles
 from trt_cosy.runtime import cuda
 from trt_cosy.runtime.euler import (
     FLOW_STEP,
@@ -30,7 +30,7 @@ from trt_cosy.runtime.euler import (
     step_schedule,
 )
 from trt_cosy.runtime.graphs import FLOW_ESTIMATOR
-from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, default_profiles, step_profiles
+from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, step_profiles
 from trt_cosy.runtime.trt import TrtRunner
 from trt_cosy.stages.flow import cosine_t_span
 
@@ -178,7 +178,7 @@ def step_runner(fake_cuda):
 
 
 def test_step_profiles_keep_the_estimator_ranges(v2_tiny_dir):
-    estimator = default_profiles(read_release_config(v2_tiny_dir))["flow_estimator"]
+    estimator = trt_profiles(read_release_config(v2_tiny_dir))["flow_estimator"]
     step = step_profiles(estimator, "flow_step")
     step.check_spec(FLOW_STEP)
     assert [p.name for p in step.profiles] == [p.name for p in estimator.profiles]
@@ -301,7 +301,7 @@ def test_device_loop_on_a_gpu(monkeypatch):
     steps, frames, calls = 10, 300, []
     schedule = step_schedule(cosine_t_span(steps))
     with cuda.DeviceBuffer(2 * 8 * steps) as log:
-        profiles = step_profiles(default_profiles(_tiny_config())["flow_estimator"], "flow_step")
+        profiles = step_profiles(trt_profiles(_tiny_config())["flow_estimator"], "flow_step")
         engine = _step_engine(calls, profiles, 1, _device_copy_context(log.ptr))
         runner = TrtRunner(engine, "flow_step", profiles, trt=FAKE_TRT, slots=1)
         loop = DeviceEulerLoop(runner, schedule)

@@ -32,8 +32,8 @@ from trt_cosy.tts import model_id_from_checkpoint
 DATA = Path(__file__).parent / "data"
 def make_family_tts(release: Path) -> CosyVoice:
     """CosyVoice on the torch reference model of ``release`` (fast; used where nothing is synthesised)."""
-    from trt_cosy.builderer.reference import load_torch_model
-    from trt_cosy.builderer.spk2info import SPK2INFO_FILE, read_spk2info
+    from trt_cosy.builder.reference import load_torch_model
+    from trt_cosy.builder.spk2info import SPK2INFO_FILE, read_spk2info
 
     model = load_torch_model(release, threads=1, hift_noise_seconds=10.0)
     family = model.config.family

@@ -34,8 +34,8 @@ TEXT_100 = "Hi there."  # 5 text tokens -> 100 speech tokens on the tiny model
 
 def test_the_graph_on_new_frames_equals_the_chunk_attention_estimator(v2_tiny_dir):
     torch = pytest.importorskip("torch", reason="the torch reference needs torch (the [build] extra)")
-    from trt_cosy.builderer.modules.flow import load_flow
-    from trt_cosy.builderer.modules.flow_estimator_incremental import (
+    from trt_cosy.builder.modules.flow import load_flow
+    from trt_cosy.builder.modules.flow_estimator_incremental import (
         IncrementalEstimatorGraph,
         incremental_cache_layout,
     )
@@ -312,7 +312,7 @@ def test_derived_int4_engines_quantise_the_incremental_graph(
     its chunks then differ from the recomputed int8 ones only by the per-call activation scales."""
     onnx = pytest.importorskip("onnx", reason="reading the graph needs onnx (the [build] extra)")
     from _support import tiny_engines
-    from trt_cosy.builderer.quantize.engines import derive_engines
+    from trt_cosy.builder.quantize.engines import derive_engines
 
     int4 = derive_engines(tiny_engines(tmp_path_factory, v2_tiny_dir), tmp_path / "int4", "int4")
     graph = onnx.load(str(int4 / "flow_estimator_incremental.onnx"), load_external_data=False).graph

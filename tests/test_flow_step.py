@@ -111,7 +111,7 @@ def _ort_steps(step_path: Path, inputs: Mapping[str, np.ndarray], steps: int) ->
 @pytest.mark.parametrize("fp16_io", [False, True])
 def test_step_graph_matches_host_loop_on_a_toy_estimator(tmp_path, fp16_io):
     onnx = pytest.importorskip("onnx")
-    from trt_cosy.builderer.flow_step import ESTIMATOR_PREFIX, wrap_estimator_step, write_flow_step
+    from trt_cosy.builder.flow_step import ESTIMATOR_PREFIX, wrap_estimator_step, write_flow_step
 
     model = _toy_estimator(fp16_io)
     wrapped = wrap_estimator_step(model, CFG_RATE)
@@ -141,7 +141,7 @@ def test_step_graph_matches_host_loop_on_a_toy_estimator(tmp_path, fp16_io):
 
 def test_wrap_refuses_a_graph_that_is_not_an_estimator():
     pytest.importorskip("onnx")
-    from trt_cosy.builderer.flow_step import wrap_estimator_step
+    from trt_cosy.builder.flow_step import wrap_estimator_step
 
     model = _toy_estimator()
     model.graph.output[0].name = "velocity"
@@ -160,7 +160,7 @@ def model_config(v2_tiny_dir) -> ModelConfig:
 @pytest.fixture(scope="module")
 def flow(v2_tiny_dir, model_config):
     require_build_extra()
-    from trt_cosy.builderer.modules.flow import load_flow
+    from trt_cosy.builder.modules.flow import load_flow
 
     return load_flow(v2_tiny_dir, model_config.flow)
 
@@ -169,8 +169,8 @@ def flow(v2_tiny_dir, model_config):
 def estimator_dir(tmp_path_factory, flow, model_config) -> Path:
     """The two fp32 estimator graphs: the session's tiny engines when tests/test_export.py built them,
     else exported here (two dynamo exports, no other graph)."""
-    from trt_cosy.builderer.export import export_graph, graph_export_plan
-    from trt_cosy.builderer.modules.flow import EstimatorGraph
+    from trt_cosy.builder.export import export_graph, graph_export_plan
+    from trt_cosy.builder.modules.flow import EstimatorGraph
 
     from trt_cosy.runtime.manifest import MANIFEST_NAME
 
@@ -200,8 +200,8 @@ class _FirstFeed:
 
 def _golden_solve(flow, config, reference, estimators, scenario: str, index: int):
     """token2mel of a golden chunk through the torch encoder and ``estimators``: (mel, first feed, P)."""
-    from trt_cosy.builderer.modules.flow import FlowEncoderGraph
-    from trt_cosy.builderer.torch_runner import TorchRunner
+    from trt_cosy.builder.modules.flow import FlowEncoderGraph
+    from trt_cosy.builder.torch_runner import TorchRunner
 
     from trt_cosy.runtime.graphs import FLOW_ENCODER
     from trt_cosy.stages.flow import FlowStage
@@ -242,8 +242,8 @@ def _step_inputs(feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def test_tiny_step_graph_matches_host_loop_and_golden(
     tmp_path, estimator_dir, flow, model_config, v2_reference, graph, scenario, index
 ):
-    from trt_cosy.builderer.flow_step import write_flow_step
-    from trt_cosy.builderer.quantize.precision import to_fp16_graph
+    from trt_cosy.builder.flow_step import write_flow_step
+    from trt_cosy.builder.quantize.precision import to_fp16_graph
 
     cfm = model_config.flow.cfm
     fp32 = estimator_dir / f"{graph}.onnx"

@@ -58,7 +58,7 @@ def test_layout_and_config(tiny_model: Path, v2_tiny_dir: Path) -> None:
 
 
 def test_loads_strictly_and_speaks_voiced_noise(tiny_model: Path) -> None:
-    from trt_cosy.builderer.reference import load_torch_model
+    from trt_cosy.builder.reference import load_torch_model
 
     model = load_torch_model(tiny_model)
     mel = np.random.default_rng(0).normal(-4.0, 2.0, size=(1, 80, 20)).astype(np.float32)
@@ -98,7 +98,7 @@ def test_tokenizer_has_the_cosyvoice_specials(tiny_model: Path) -> None:
 
 
 def test_same_seed_same_bytes_and_refuses_to_clobber(tmp_path: Path, tiny_model: Path) -> None:
-    from trt_cosy.builderer.testmodel.release import make_test_model
+    from trt_cosy.builder.testmodel.release import make_test_model
 
     again = make_test_model(tmp_path / "again", seed=3)
     for name in ("cosyvoice2.yaml", "CosyVoice-BlankEN/vocab.json", "campplus.onnx"):
@@ -180,7 +180,7 @@ def test_v1_v3_layout_and_config(family_models: dict[str, Path], family: str) ->
 
 
 def test_v1_preset_speakers_in_the_official_format(family_models: dict[str, Path]) -> None:
-    from trt_cosy.builderer.spk2info import read_spk2info
+    from trt_cosy.builder.spk2info import read_spk2info
 
     raw = torch.load(family_models["v1"] / "spk2info.pt", weights_only=True)
     assert {"中文女", "英文男"} <= set(raw)
@@ -222,7 +222,7 @@ def test_v1_v3_standin_tokenizers(
 
 @pytest.mark.parametrize("family", ["v1", "v3"])
 def test_v1_v3_load_strictly_and_speak_voiced_noise(family_models: dict[str, Path], family: str) -> None:
-    from trt_cosy.builderer.reference import load_torch_model
+    from trt_cosy.builder.reference import load_torch_model
 
     model = load_torch_model(family_models[family], threads=1, hift_noise_seconds=1)
     frames = 20
@@ -243,7 +243,7 @@ def test_v1_v3_load_strictly_and_speak_voiced_noise(family_models: dict[str, Pat
 
 
 def test_unknown_family_is_refused(tmp_path: Path) -> None:
-    from trt_cosy.builderer.testmodel.release import make_test_model
+    from trt_cosy.builder.testmodel.release import make_test_model
 
     with pytest.raises(InputError, match="unknown family"):
         make_test_model(tmp_path / "x", family="v4")

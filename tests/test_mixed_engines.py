@@ -29,9 +29,9 @@ from click.testing import CliRunner
 
 ov = pytest.importorskip("openvino", reason="mixed engines need `pip install 'trt-cosy[openvino]'`")
 
-from trt_cosy.builderer.derived import link_or_copy  # noqa: E402
-from trt_cosy.builderer.engines import build_engines  # noqa: E402
-from trt_cosy.builderer.flow_incremental import add_incremental_estimator  # noqa: E402
+from trt_cosy.builder.derived import link_or_copy  # noqa: E402
+from trt_cosy.builder.engines import build_engines  # noqa: E402
+from trt_cosy.builder.flow_incremental import add_incremental_estimator  # noqa: E402
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.cli import main  # noqa: E402

@@ -17,13 +17,13 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-from trt_cosy.builderer.onnx.passes import (
+from trt_cosy.builder.onnx.passes import (
     EQUIVALENCE_TOLERANCE,
     GRAPH_REWRITES,
     check_equivalent,
     rewrite_model,
 )
-from trt_cosy.builderer.onnx.rewrites import fuse_attention, fuse_gelu, fuse_tanh_gelu, rewrite_mish
+from trt_cosy.builder.onnx.rewrites import fuse_attention, fuse_gelu, fuse_tanh_gelu, rewrite_mish
 
 from trt_cosy.errors import BuildError
 from trt_cosy.models.registry import read_release_config

@@ -7,16 +7,14 @@ import pytest
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import EngineMismatchError, InputError
-from trt_cosy.models.registry import read_release_config
+from trt_cosy.models.registry import read_release_config, trt_graphs, trt_profiles
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.profiles import (
     GraphProfiles,
     ProfileLimits,
     ShapeProfile,
-    default_profiles,
     read_profiles,
     select_profile,
-    trt_graph_specs,
     write_profiles,
 )
 
@@ -28,7 +26,7 @@ def config(v2_tiny_dir) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def profiles(config):
-    return default_profiles(config)
+    return trt_profiles(config)
 
 
 def _names(graph: GraphProfiles) -> list[str]:
@@ -36,7 +34,7 @@ def _names(graph: GraphProfiles) -> list[str]:
 
 
 def test_every_graph_has_profiles_matching_its_contract(profiles):
-    specs = trt_graph_specs("v2")
+    specs = trt_graphs("v2")
     assert set(profiles) == set(specs) == {*graphs.GRAPHS, "flow_step", "flow_step_stream"}
     for name, graph in profiles.items():
         graph.check_spec(specs[name])  # input names, ranks, static dims (batch 2 for CFG)
@@ -98,7 +96,7 @@ def test_flow_and_hift_pick_streaming_then_long_buckets(profiles):
 
 
 def test_limits_change_the_buckets(config):
-    small = default_profiles(
+    small = trt_profiles(
         config, ProfileLimits(max_tokens=100, stream_tokens=40, max_context=300, decode_buckets=(128,))
     )
     assert small["flow_encoder"].max_shapes()["tokens"] == (1, 100)

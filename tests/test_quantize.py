@@ -18,9 +18,9 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 import onnx
 from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
-from trt_cosy.builderer.export import export_graph, graph_export_plan
-from trt_cosy.builderer.modules.llm import LLMGraph, embedding_tables, load_llm
-from trt_cosy.builderer.quantize.engines import (
+from trt_cosy.builder.export import export_graph, graph_export_plan
+from trt_cosy.builder.modules.llm import LLMGraph, embedding_tables, load_llm
+from trt_cosy.builder.quantize.engines import (
     fuse_rms_norm,
     nbits_blocks,
     precision_plan,

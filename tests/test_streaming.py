@@ -261,7 +261,7 @@ def test_flow_is_chunk_causal_so_the_fast_schedule_emits_one_chunk_attention_pas
     cond aligned): the fast schedule's mel, chunk by chunk, is one chunk-attention pass over all."""
     if backend == "torch":
         pytest.importorskip("torch", reason="the torch reference needs torch")
-        from trt_cosy.builderer.reference import load_torch_model
+        from trt_cosy.builder.reference import load_torch_model
 
         model = load_torch_model(v2_tiny_dir, threads=1)
     else:

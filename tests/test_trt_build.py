@@ -20,7 +20,7 @@ GRAPHS = ("llm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "hif
 
 @pytest.fixture(scope="module")
 def tiny_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trt_cosy.builderer.testmodel.release import make_test_model
+    from trt_cosy.builder.testmodel.release import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("trt-release") / "tiny")
 

@@ -20,11 +20,11 @@ from onnx import TensorProto, helper
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import EngineMismatchError, InputError, MissingDependencyError, TrtCosyError
-from trt_cosy.models.registry import read_release_config
+from trt_cosy.models.registry import read_release_config, trt_graphs, trt_profiles
 from trt_cosy.models.v1 import graphs as graphs_v1
 from trt_cosy.models.v3 import graphs as graphs_v3
 from trt_cosy.runtime.cuda import gpu_unavailable_reason
-from trt_cosy.runtime.profiles import default_profiles, read_profiles, trt_graph_specs
+from trt_cosy.runtime.profiles import read_profiles
 
 DATA = Path(__file__).parent / "data"
 RELEASES = {"v1": DATA / "cosyvoice1-tiny", "v3": DATA / "cosyvoice3-tiny"}
@@ -63,8 +63,8 @@ def configs() -> dict[str, ModelConfig]:
 
 @pytest.mark.parametrize("family", ["v1", "v3"])
 def test_profiles_cover_the_family_graphs(configs, family):
-    profiles = default_profiles(configs[family])
-    specs = trt_graph_specs(family)  # v3 adds the flow step graphs, v1 (its own flow) does not
+    profiles = trt_profiles(configs[family])
+    specs = trt_graphs(family)  # v3 adds the flow step graphs, v1 (its own flow) does not
     assert set(profiles) == set(specs)
     assert set(specs) - set(FAMILY_GRAPHS[family]) == (
         {"flow_step", "flow_step_stream"} if family == "v3" else set()
@@ -79,7 +79,7 @@ def _pick(profiles, graph: str, shapes: dict[str, tuple[int, ...]]) -> str:
 
 def test_v1_profile_selection_for_typical_shapes(configs):
     config = configs["v1"]
-    profiles = default_profiles(config)
+    profiles = trt_profiles(config)
     hop = config.hift.samples_per_frame  # 256 at 22.05 kHz
 
     def hift(frames: int, cached: int) -> dict[str, tuple[int, ...]]:
@@ -126,7 +126,7 @@ def test_v1_profile_selection_for_typical_shapes(configs):
 
 def test_v3_profile_selection_for_typical_shapes(configs):
     config = configs["v3"]
-    profiles = default_profiles(config)
+    profiles = trt_profiles(config)
     hop = config.hift.samples_per_frame  # 480 at 24 kHz
 
     def hift(frames: int) -> dict[str, tuple[int, ...]]:
@@ -146,7 +146,7 @@ def test_v3_profile_selection_for_typical_shapes(configs):
 
 def test_v1_source_phase_is_float32_and_matches_the_official_rounding():
     torch = pytest.importorskip("torch")
-    from trt_cosy.builderer.models.v1.hift import SineGenSource
+    from trt_cosy.builder.models.v1.hift import SineGenSource
 
     source = SineGenSource(22050, 8, 0.1, 0.003, 10.0, 256)
     generator = torch.Generator().manual_seed(0)
@@ -177,7 +177,7 @@ def test_v1_source_phase_is_float32_and_matches_the_official_rounding():
 
 
 def test_float64_graphs_are_refused():
-    from trt_cosy.builderer.quantize.precision import convert_model_fp16
+    from trt_cosy.builder.quantize.precision import convert_model_fp16
 
     nodes = [
         helper.make_node("Cast", ["x"], ["x64"], to=TensorProto.DOUBLE),
@@ -329,7 +329,7 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_summary(built, configs, famil
     summary = json.loads((out / "tensorrt.json").read_text())
     profiles = read_profiles(out / "profiles.json")
     batched = {"llm_decode"} if family == "v3" else set()  # the Qwen2 LLMs get the batched decode graph
-    assert set(summary["graphs"]) == set(profiles) == set(trt_graph_specs(family)) | batched
+    assert set(summary["graphs"]) == set(profiles) == set(trt_graphs(family)) | batched
     assert summary["family"] == family
     for name, entry in summary["graphs"].items():
         assert entry["onnx"] == f"{name}.fp16.onnx" and entry["onnx"] in manifest["files"]
@@ -351,7 +351,7 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_summary(built, configs, famil
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["v1", "v3"])
 def test_fp16_graphs_track_fp32_on_golden_inputs(built, configs, family):
-    from trt_cosy.builderer.quantize.precision import compare_fp16
+    from trt_cosy.builder.quantize.precision import compare_fp16
 
     out, config = built[family], configs[family]
     feeds = (_v1_feeds if family == "v1" else _v3_feeds)(out, config)

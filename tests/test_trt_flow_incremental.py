@@ -29,7 +29,7 @@ from test_trt_runtime import FakeCuda
 from trt_fakes import FAKE_TRT, FakeEngine
 
 from trt_cosy.errors import InputError
-from trt_cosy.models.registry import read_release_config
+from trt_cosy.models.registry import read_release_config, trt_profiles
 from trt_cosy.runtime import cuda, graphs
 from trt_cosy.runtime.cuda import gpu_unavailable_reason
 from trt_cosy.runtime.incremental_profiles import incremental_frames, incremental_profiles
@@ -215,7 +215,7 @@ def trt_tiny(tmp_path_factory, v2_tiny_dir) -> Path:
     if os.environ.get("TRT_COSY_TRT_ENGINES"):
         return Path(os.environ["TRT_COSY_TRT_ENGINES"])
     pytest.importorskip("torch", reason="building engines needs the [build] extra")
-    from trt_cosy.builderer.engines import build_engines
+    from trt_cosy.builder.engines import build_engines
 
     return build_engines(
         v2_tiny_dir, tmp_path_factory.mktemp("trt-inc") / "engines", backend="tensorrt", precision="fp16",
@@ -386,7 +386,7 @@ def test_a_trt_runner_binds_the_cache_tensors_and_matches_onnxruntime(trt_tiny, 
 def _gpu_runners(engines: Path, tmp_path: Path) -> dict:
     """TrtRunners of the encoder, both estimators and the incremental estimator: the plans the engines
     directory has (``trt-cosy build --backend tensorrt``), else plans built here from its fp16 graphs."""
-    from trt_cosy.builderer.trt.plans import build_plan
+    from trt_cosy.builder.trt.plans import build_plan
 
     from trt_cosy.runtime.profiles import read_profiles
     from trt_cosy.runtime.trt import TrtRunner
@@ -450,9 +450,9 @@ def test_incremental_plan_streams_like_recomputation_on_gpu(trt_tiny, tmp_path):
 def test_the_trt_graph_set_accepts_the_optional_incremental_plan(tmp_path, config):
     """Engines with or without the incremental plan pass ``load_engines``' graph-set check."""
     from trt_cosy.runtime.engines import _check_trt_graphs
-    from trt_cosy.runtime.profiles import default_profiles, write_profiles
+    from trt_cosy.runtime.profiles import write_profiles
 
-    profiles = default_profiles(config)
+    profiles = trt_profiles(config)
     write_profiles(profiles, tmp_path / "profiles.json")
     _check_trt_graphs(tmp_path, "v2")
     write_profiles({**profiles, NAME: incremental_profiles(config)}, tmp_path / "profiles.json")

@@ -46,9 +46,9 @@ PROMPTS = (7, 19, 3, 12)  # mixed prompt lengths of one batch
 def exported(tmp_path_factory, v2_tiny_dir):
     """The plain ``llm`` export (as a TensorRT engines directory has it) and ``llm_decode``."""
     require_build_extra()
-    from trt_cosy.builderer.export import export_graph, graph_export_plan
-    from trt_cosy.builderer.models.v2.reference import load_torch_model_v2
-    from trt_cosy.builderer.trt.llm_decode import export_llm_decode
+    from trt_cosy.builder.export import export_graph, graph_export_plan
+    from trt_cosy.builder.models.v2.reference import load_torch_model_v2
+    from trt_cosy.builder.trt.llm_decode import export_llm_decode
 
     from trt_cosy.runtime import graphs
 
@@ -108,7 +108,7 @@ def test_export_matches_torch_and_uses_no_contrib_op(exported):
     assert [i.name for i in model.graph.input] == ["inputs_embeds", "past_lengths", "key_positions",
                                                    *cache_input_names(layers)]  # fmt: skip
     assert [o.name for o in model.graph.output] == ["logits", "new_kv"]
-    from trt_cosy.builderer.trt.llm_decode import llm_decode_plan
+    from trt_cosy.builder.trt.llm_decode import llm_decode_plan
 
     plan = llm_decode_plan(exported.config)  # NaN beyond every row's length (export's parity ignores NaN)
     for feed in (plan.sample, *plan.parity):
@@ -411,7 +411,7 @@ def test_plan_build_adds_the_batch_as_profile_data(tmp_path, v2_tiny_dir):
     """build_plan over the fake tensorrt of test_trt_plan_build: every position bucket of llm_decode is
     added once per slot, each with the batch B 1/4/8 on every batched input and the window P bucketed."""
     from test_trt_plan_build import fake_tensorrt
-    from trt_cosy.builderer import tensorrt as trt_build
+    from trt_cosy.builder import tensorrt as trt_build
 
     from trt_cosy.models.registry import read_release_config
 

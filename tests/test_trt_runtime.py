@@ -592,7 +592,7 @@ def _toy_onnx(path):
 @pytest.mark.gpu
 @pytest.mark.skipif(_NO_GPU is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_NO_GPU}")
 def test_toy_plan_matches_onnxruntime_on_gpu(tmp_path):
-    from trt_cosy.builderer.trt.plans import build_plan
+    from trt_cosy.builder.trt.plans import build_plan
 
     from trt_cosy.runtime.ort import OrtRunner
 
@@ -614,7 +614,7 @@ def test_two_threads_on_two_slots_match_onnxruntime_on_gpu(tmp_path):
     lengths across both profiles, every output against ONNX Runtime."""
     import threading
 
-    from trt_cosy.builderer.trt.plans import build_plan
+    from trt_cosy.builder.trt.plans import build_plan
 
     from trt_cosy.runtime.ort import OrtRunner
 

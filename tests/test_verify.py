@@ -70,7 +70,7 @@ Verified = tuple[GoldenSet, dict, dict]
 @pytest.fixture(scope="module")
 def verified() -> Callable[[str], Verified]:
     """Per family, computed once: (golden set, our outputs, skipped keys)."""
-    from trt_cosy.builderer.reference import load_torch_model
+    from trt_cosy.builder.reference import load_torch_model
 
     cache: dict[str, Verified] = {}
 
@@ -149,7 +149,7 @@ def test_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_golden_of_another_family_is_refused() -> None:
-    from trt_cosy.builderer.reference import load_torch_model
+    from trt_cosy.builder.reference import load_torch_model
 
     model = load_torch_model(DIRS["v1"], threads=1)
     with pytest.raises(InputError, match="CosyVoice3 golden set"):
@@ -159,7 +159,7 @@ def test_golden_of_another_family_is_refused() -> None:
 @pytest.mark.slow
 def test_verify_on_quantised_engines_says_which_engines_parity_needs(tmp_path_factory, tmp_path) -> None:
     from _support import shared_tiny_engines
-    from trt_cosy.builderer.quantize.engines import derive_engines
+    from trt_cosy.builder.quantize.engines import derive_engines
 
     _, engines = shared_tiny_engines(tmp_path_factory, DIRS["v2"])
     int4 = derive_engines(engines, tmp_path / "int4", "int4")

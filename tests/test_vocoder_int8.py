@@ -23,9 +23,9 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from _support import tiny_engines, tiny_release
-from trt_cosy.builderer.derived import link_or_copy
-from trt_cosy.builderer.quantize.engines import derive_engines
-from trt_cosy.builderer.quantize.vocoder_int8 import (
+from trt_cosy.builder.derived import link_or_copy
+from trt_cosy.builder.quantize.engines import derive_engines
+from trt_cosy.builder.quantize.vocoder_int8 import (
     CALIBRATION_UTTERANCES,
     INT8_CONV_PREFIXES,
     calibration_feeds,
@@ -112,7 +112,7 @@ def test_quantised_vocoder_is_written_aside_and_stays_close_to_fp32(engines, v2_
 
 @pytest.mark.slow
 def test_an_int4_build_quantises_the_vocoder_and_its_manifest_holds(tmp_path_factory, v2_tiny_dir, tmp_path):
-    from trt_cosy.builderer.engines import build_engines
+    from trt_cosy.builder.engines import build_engines
 
     out = build_engines(tiny_release(tmp_path_factory, v2_tiny_dir), tmp_path / "int4", precision="int4")
     Manifest.read(out).check(out, precision="int4")  # file sizes recorded after the vocoder's rewrite

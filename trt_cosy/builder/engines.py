@@ -229,7 +229,7 @@ def _write_engines(
     incremental = None
     if backend == "onnxruntime":  # streaming chunks over new frames only (CosyVoice2 and 3; None for v1)
         incremental = write_incremental_estimator(model, staging, precision, progress=emit)
-    elif backend in ("openvino", "mixed") and family == "v2":  # the plain export, to IR with the others
+    elif backend in ("openvino", "mixed") and family_named(family).openvino_incremental:  # plain export, to IR
         exported = export_incremental_estimator(model, staging, progress=emit)
         if exported is not None:
             results[exported[0].name] = exported[0]

@@ -34,6 +34,7 @@ from torch.export import Dim
 
 from ..config import ModelConfig
 from ..errors import InputError
+from ..models.registry import family_named
 from ..models.v3 import graphs as graphs_v3
 from ..runtime import graphs
 from ..runtime.engines import MIXED_BACKEND, ORT_BACKEND, OV_BACKEND
@@ -69,7 +70,7 @@ Progress = Callable[[str], None]
 
 def _estimator(model: LoadedModel) -> CausalConditionalDecoder | None:
     """The torch CosyVoice2 estimator of a reference model, or None for other families."""
-    if model.config.family != "v2":
+    if family_named(model.config.family).incremental_estimator != "unet":
         return None
     runner = model.runners.get(graphs.FLOW_ESTIMATOR.name)
     estimator = getattr(getattr(runner, "module", None), "estimator", None)
@@ -136,7 +137,7 @@ def export_incremental_estimator(
 
 def _incremental_graph(model: LoadedModel) -> tuple[GraphSpec, nn.Module, GraphPlan] | None:
     """(contract, torch module, export plan) of the family's incremental estimator, or None (v1)."""
-    if model.config.family == "v3":
+    if family_named(model.config.family).incremental_estimator == "dit":
         from .models.v3.dit_incremental import V3IncrementalEstimatorGraph, v3_incremental_export_plan
 
         runner = model.runners.get(graphs.FLOW_ESTIMATOR.name)
@@ -186,7 +187,7 @@ def _write_incremental_ir(
     from .openvino import convert_engine_graphs
 
     name = graphs.FLOW_ESTIMATOR_INCREMENTAL.name
-    if model.config.family != "v2":  # the IR path is built and tested for CosyVoice2's estimator only
+    if not family_named(model.config.family).openvino_incremental:  # built and tested for CosyVoice2 only
         return None
     exported = export_incremental_estimator(model, out_dir, progress)
     if exported is None:
@@ -232,7 +233,7 @@ def add_incremental_estimator(engines_dir: Path, model_dir: Path, progress: Prog
     """Add the incremental estimator to existing engines of this version (CosyVoice2: ONNX Runtime,
     OpenVINO or mixed; CosyVoice3: ONNX Runtime; built from ``model_dir``, checked by hash), as their build would write it
     (``flow_estimator_incremental.onnx``, or OpenVINO IR ``.xml``/``.bin``), and record it in the manifest."""
-    from .family_engines import load_model_for_build
+    from .models.registry import build_family_of_release
 
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)
@@ -242,7 +243,7 @@ def add_incremental_estimator(engines_dir: Path, model_dir: Path, progress: Prog
             f"added to {', '.join(INCREMENTAL_BACKENDS)} engines only."
         )
     manifest.check(engines_dir, Path(model_dir))
-    model = load_model_for_build(Path(model_dir))
+    model = build_family_of_release(Path(model_dir)).load_for_build(Path(model_dir))
     # Written aside, then moved in: never through a hard link of engines this directory was copied from.
     with tempfile.TemporaryDirectory(prefix=".incremental-", dir=engines_dir) as scratch:
         if manifest.backend == ORT_BACKEND:

@@ -71,6 +71,10 @@ class Family(ABC):
     fixed_flow_noise: ClassVar[bool] = True  # the engines carry the official fixed CFM noise
     stream_schedules: ClassVar[tuple[str, ...]] = ("official", "fast")  # SynthesisConfig.stream_schedule values
     fixed_hift_noise: ClassVar[bool] = False  # the engines carry the causal HiFT's fixed NSF buffer
+    # The incremental streaming estimator's kind ("unet": CosyVoice2's U-Net, "dit": CosyVoice3's DiT;
+    # None: streaming recomputes), and whether OpenVINO/mixed engines carry it (built and tested for v2).
+    incremental_estimator: ClassVar[str | None] = None
+    openvino_incremental: ClassVar[bool] = False
     quality: ClassVar[QualityFeeds]
 
     @property

@@ -15,7 +15,15 @@ from .v1.family import V1Family
 from .v2.family import V2Family
 from .v3.family import V3Family
 
-__all__ = ["FAMILIES", "family_named", "family_of", "family_of_release", "read_release_config"]
+__all__ = [
+    "FAMILIES",
+    "family_named",
+    "family_of",
+    "family_of_release",
+    "read_release_config",
+    "trt_graphs",
+    "trt_profiles",
+]
 
 FAMILIES: Final[dict[str, Family]] = {known.name: known for known in (V1Family(), V2Family(), V3Family())}
 
@@ -64,3 +72,18 @@ def read_release_config(model_dir: Path) -> Any:
     ``V1ModelConfig``; ask ``family_of(config)`` for what differs rather than reading ``.family``.
     """
     return family_of_release(model_dir).read_config(Path(model_dir))
+
+
+def trt_graphs(name: str) -> dict[str, Any]:
+    """Every graph a TensorRT engines directory of family ``name`` holds (``runtime.profiles.trt_graph_specs``
+    with the family handed in: the runtime imports no family)."""
+    from ..runtime.profiles import trt_graph_specs
+
+    return trt_graph_specs(family_named(name))
+
+
+def trt_profiles(config: Any, limits: Any = None) -> dict[str, Any]:
+    """The default TensorRT optimisation profiles of ``config``'s family (``runtime.profiles.default_profiles``)."""
+    from ..runtime.profiles import default_profiles
+
+    return default_profiles(config, family_named(config.family), limits)

@@ -229,7 +229,7 @@ def _check_trt_graphs(engines_dir: Path, family: str) -> None:
 
     optional = {LLM_DECODE_NAME, graphs.FLOW_ESTIMATOR_INCREMENTAL.name}  # batched decode, incremental flow
     named = set(read_profiles(engines_dir / PROFILES_NAME)) - optional
-    expected = set(trt_graph_specs(family))  # the exported graphs plus the flow step graphs (v2/v3)
+    expected = set(trt_graph_specs(family_named(family)))  # the exported graphs plus the flow step graphs (v2/v3)
     if named != expected:
         raise EngineMismatchError(
             f"{engines_dir / PROFILES_NAME} lists the graphs {sorted(named)}, a {family} model has "

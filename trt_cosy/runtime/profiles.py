@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from ..config import HiFTConfig, ModelConfig
 from ..errors import EngineMismatchError, InputError
@@ -49,15 +49,21 @@ PROFILES_NAME: Final = "profiles.json"
 Shape = tuple[int, ...]
 
 
-def trt_graph_specs(family: str) -> dict[str, GraphSpec]:
+class FamilyGraphs(Protocol):
+    """What this module needs of a model family (``models.family.Family``; the caller hands it in, so
+    the runtime imports no family)."""
+
+    name: str
+    graphs: Mapping[str, GraphSpec]
+    trt_step_graphs: bool
+
+
+def trt_graph_specs(family: FamilyGraphs) -> dict[str, GraphSpec]:
     """Every graph a TensorRT engines directory of ``family`` holds: the exported set
     (``Family.graphs``) plus, where the family's flow runs ``stages.flow.FlowStage``
     (``Family.trt_step_graphs``: CosyVoice2/3), the flow step graphs derived from the estimators."""
-    from ..models.registry import family_named  # the families' stages import this package
-
-    known = family_named(family)
-    specs = dict(known.graphs)
-    if known.trt_step_graphs:
+    specs = dict(family.graphs)
+    if family.trt_step_graphs:
         specs.update({step.name: step for estimator, step in STEP_GRAPHS.items() if estimator in specs})
     return specs
 
@@ -440,16 +446,16 @@ def _v1_profiles(config: V1ModelConfig, limits: ProfileLimits) -> list[GraphProf
 
 
 def default_profiles(
-    config: ModelConfig | V1ModelConfig, limits: ProfileLimits | None = None
+    config: ModelConfig | V1ModelConfig, family: FamilyGraphs, limits: ProfileLimits | None = None
 ) -> dict[str, GraphProfiles]:
-    """The profiles of every TensorRT graph of ``config``'s family (``trt_graph_specs``: the exported
-    set plus the flow step graphs), each checked against its contract."""
+    """The profiles of every TensorRT graph of ``config``'s family (``family``; ``trt_graph_specs``: the
+    exported set plus the flow step graphs), each checked against its contract."""
     limits = limits or ProfileLimits()
     builders = {"v1": _v1_profiles, "v2": _v2_profiles, "v3": _v3_profiles}
     if config.family not in builders:
         raise InputError(f"no TensorRT profiles for model family {config.family!r}; build for onnxruntime.")
     result = {graph.graph: graph for graph in builders[config.family](config, limits)}  # type: ignore[operator]
-    specs = trt_graph_specs(config.family)
+    specs = trt_graph_specs(family)
     for estimator, step in STEP_GRAPHS.items():
         if step.name in specs:
             result[step.name] = step_profiles(result[estimator], step.name)

@@ -111,7 +111,7 @@ def prepare_trt_graphs(
         raise InputError(f"TensorRT engines are not available for model family {config.family!r}.")
     engines_dir = Path(engines_dir)
     emit = _emitter(progress)
-    profiles = default_profiles(config, limits)
+    profiles = default_profiles(config, family_named(config.family), limits)
     names = list(family_named(config.family).graphs)
     if (engines_dir / f"{LLM_DECODE_NAME}.onnx").is_file():  # exported for the Qwen2 families
         profiles[LLM_DECODE_NAME] = llm_decode_profiles(config, limits)  # type: ignore[arg-type]
@@ -123,7 +123,7 @@ def prepare_trt_graphs(
     graphs: dict[str, Any] = {}
     for name in names:
         graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
-    for name in trt_graph_specs(config.family):
+    for name in trt_graph_specs(family_named(config.family)):
         if name not in graphs:
             graphs[name] = _prepare_step_graph(engines_dir, name, config, precision, emit)
     summary = {

@@ -102,6 +102,8 @@ class V2Family(Family):
     speech_tokenizer_file = "speech_tokenizer_v2.onnx"
     config_class = ModelConfig
     request_class: type[Request] = Request
+    incremental_estimator = "unet"
+    openvino_incremental = True
     quality = V2QualityFeeds()
 
     @property

@@ -64,6 +64,8 @@ class V3Family(V2Family):
     config_class = V3ModelConfig
     request_class: type[Request] = V3Request
     fixed_hift_noise = True
+    incremental_estimator = "dit"
+    openvino_incremental = False  # its DiT's incremental graph runs on ONNX Runtime only
     quality = V3QualityFeeds()
 
     @property
