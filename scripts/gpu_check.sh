@@ -62,7 +62,7 @@ PY
 step trt-toy-and-two-threads python -m pytest -q -rs -s -p no:cacheprovider tests/test_trt_runtime.py -k on_gpu
 grep -h "device memory per context" "$LOGS/trt-toy-and-two-threads.log" | sed 's/^/    /' || true
 # Informational: would the shared form (two contexts on ONE copy of the profiles) have worked here?
-step trt-shared-profile-experiment python bench/trt_shared_profile.py || true
+step trt-shared-profile-experiment python tools/experiments/tensorrt/trt_shared_profile.py || true
 grep -h "shared profile" "$LOGS/trt-shared-profile-experiment.log" | sed 's/^/    /' || true
 
 # 2. Golden parity: the golden tiny checkpoint on TensorRT, every stage against the official outputs.

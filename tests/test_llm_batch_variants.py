@@ -1,4 +1,4 @@
-"""bench/llm_batch_variants.py derives llm_batch variants that compute what the int4 graph computes:
+"""tools/experiments/decode/llm_batch_variants.py derives llm_batch variants that compute what the int4 graph computes:
 requantising at block 32 reproduces ``trt-cosy build``'s weights, the gate/up fusion and the bias
 fold change no result, other block sizes and int8 weights err like the build's int4."""
 
@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from trt_cosy.builder.quantize.engines import quantize_weights_nbits
 
 _SPEC = importlib.util.spec_from_file_location(
-    "llm_batch_variants", Path(__file__).parents[1] / "bench" / "llm_batch_variants.py"
+    "llm_batch_variants", Path(__file__).parents[1] / "tools" / "experiments" / "decode" / "llm_batch_variants.py"
 )
 variants = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(variants)

@@ -87,7 +87,7 @@ VOCODER_METHOD: Final = "int8conv"  # calibrated through the flow: vocoder_int8.
 # Model families whose graph sets precision_plan() knows (config.family values).
 QUANTIZABLE_FAMILIES: Final = frozenset(QUANTIZED_GRAPHS)
 _NBITS_BLOCK: Final = 32  # MatMulNBits block along K: the int8 LLM, the v3 DiT's 8-bit AdaLN weights
-# The int4 LLM's: blocks of 128. Side by side against 32 (bench/llm_step_variants.py, docs/benchmarks.md)
+# The int4 LLM's: blocks of 128. Side by side against 32 (tools/experiments/decode/llm_step_variants.py, docs/benchmarks.md)
 # the decode step is 17-31 % faster at every batch size; the quality guard passes on every family's
 # golden set and at full size (docs/precision.md).
 _INT4_LLM_BLOCK: Final = 128

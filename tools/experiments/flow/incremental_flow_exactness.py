@@ -1,6 +1,6 @@
 """The incremental estimator against the chunk-attention estimator over a whole Euler solve (torch).
 
-    python bench/incremental_flow_exactness.py --model-dir /work/fullsize/model
+    python tools/experiments/flow/incremental_flow_exactness.py --model-dir /work/fullsize/model
 
 Loads the release's CosyVoice2 estimator, solves the 10 cosine Euler steps with classifier-free
 guidance (batch 2, the unconditional row zeroed) over 170 random frames with the chunk-attention

@@ -1,6 +1,6 @@
 """Incremental streaming chunks against recomputed ones on tiny engines of every CPU backend.
 
-    python bench/incremental_chunks.py RELEASE OUT_DIR
+    python tools/experiments/flow/incremental_chunks.py RELEASE OUT_DIR
 
 RELEASE: the golden tiny CosyVoice2 release (tests/_support.py ``tiny_release``: the golden checkpoint
 plus the tokenizer and stand-in frontend models). Builds mixed fp32/int4, OpenVINO fp32/bf16 and ONNX

@@ -1,6 +1,6 @@
 """Per-op-type kernel time of estimator graphs on the same frames (ONNX Runtime profiling).
 
-    python bench/estimator_profile.py --past 600 --new 200 --runs 2 --threads 2 \\
+    python tools/experiments/flow/estimator_profile.py --past 600 --new 200 --runs 2 --threads 2 \\
         before=/tmp/incflow-int4/flow_estimator_incremental.onnx after=NEW.onnx \\
         stream=/tmp/incflow-int4/flow_estimator_stream.onnx
 

@@ -1,11 +1,11 @@
 """Where a render's memory goes: the working memory of the flow and of the vocoder for one chunk of
 N speech tokens, and what the LLM's caches reserve, per stage, in one process.
 
-    python bench/memory_stages.py --engines /work/fullsize/int4-030 --tokens 400 800 1600
+    python tools/experiments/memory/memory_stages.py --engines /work/fullsize/int4-030 --tokens 400 800 1600
 
 Works for CosyVoice2 and CosyVoice3 engines (v3: the causal HiFT on its fixed noise buffer).
 
-For each N (random speech tokens, the voice of bench/memory_load.py as prompt) the flow runs
+For each N (random speech tokens, the voice of tools/experiments/memory/memory_load.py as prompt) the flow runs
 non-streaming on prompt + N tokens, then the vocoder on its mel frames; each stage's cost is its
 peak RSS (VmHWM, reset through /proc/self/clear_refs) minus the RSS before it. ONNX Runtime's arena
 is shrunk after every run (``TRT_COSY_ARENA_SHRINK=all`` inside a run scope), so each size starts

@@ -1,7 +1,7 @@
 """CosyVoice3's incremental DiT against the chunk-attention DiT (torch): exactness and cost per chunk.
 
-    python bench/incremental_flow_v3.py --model-dir tests/data/cosyvoice3-tiny
-    python bench/incremental_flow_v3.py --full-size-random [--ref-seconds 5 --segment-seconds 15]
+    python tools/experiments/flow/incremental_flow_v3.py --model-dir tests/data/cosyvoice3-tiny
+    python tools/experiments/flow/incremental_flow_v3.py --full-size-random [--ref-seconds 5 --segment-seconds 15]
 
 ``--model-dir`` loads a release's DiT; ``--full-size-random`` makes the Fun-CosyVoice3-0.5B DiT
 (dim 1024, depth 22, 16 heads of 64) with random weights (no checkpoint needed: the question is the

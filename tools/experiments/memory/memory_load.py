@@ -1,8 +1,8 @@
 """Memory under load: peak RSS of one vs N concurrent long requests, RSS after the burst, and the
 speed cost of ONNX Runtime's arena shrinkage (A/B, alternating, one process).
 
-    python bench/memory_load.py --engines /tmp/tiny-engines
-    python bench/memory_load.py --engines /tmp/perf-full/int4 --concurrency 8
+    python tools/experiments/memory/memory_load.py --engines /tmp/tiny-engines
+    python tools/experiments/memory/memory_load.py --engines /tmp/perf-full/int4 --concurrency 8
 
 The text is one sentence of ``--words`` words: one segment, as long as the sentence splitter makes
 them, so the flow and the vocoder run on the longest shapes a request reaches (a longer text only

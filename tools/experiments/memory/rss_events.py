@@ -1,6 +1,6 @@
 """Where the bench's peak RSS happens: VmRSS and VmHWM around every session creation and graph call.
 
-    python bench/rss_events.py /tmp/v3full/int4-new 3
+    python tools/experiments/memory/rss_events.py /tmp/v3full/int4-new 3
 
 Runs the scenario of ``trt-cosy bench`` (``trt_cosy.bench.speed._one_run``: prefill, 250 greedy
 tokens, non-streaming flow, vocoder) RUNS times without a warm-up or cold start, with the peak

@@ -1,6 +1,6 @@
 """First audio through the Python API, A/B of ``Request.llm_yield`` policies, alternating runs.
 
-    python bench/first_audio_ab.py --engines /tmp/perf-full/int4 --threads 2 --ref-seconds 5 --runs 3 \\
+    python tools/experiments/flow/first_audio_ab.py --engines /tmp/perf-full/int4 --threads 2 --ref-seconds 5 --runs 3 \\
         --policies never,first
 
 A zero-shot voice from tests/data/features/audio/en_16k_mono.wav tiled to ``--ref-seconds``; one

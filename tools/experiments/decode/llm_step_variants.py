@@ -1,6 +1,6 @@
 """Batched decode step time of ``llm_batch`` graph variants, in one process, variants alternating.
 
-    python bench/llm_step_variants.py --config ENGINES/model_config.json \
+    python tools/experiments/decode/llm_step_variants.py --config ENGINES/model_config.json \
         --variant base=ENGINES/llm_batch.onnx --variant acc1=/tmp/x.onnx \
         [--variant spin0=ENGINES/llm_batch.onnx,session.intra_op.allow_spinning=0] \
         [--batches 1,2,4,8] [--rounds 5] [--steps 8] [--cached 150] [--capacity 2048] [--threads 2] \

@@ -1,6 +1,6 @@
 """Memory of the longest text the server accepts, one request against N at once, in a bounded run.
 
-    python bench/memory_longest.py --engines /work/fullsize/int4-030 --concurrency 8
+    python tools/experiments/memory/memory_longest.py --engines /work/fullsize/int4-030 --concurrency 8
 
 The text is ``--chars`` characters (``ServerSettings.max_input_chars``, 4096) of ordinary sentences,
 so the sentence splitter makes segments of its longest usual size (~80 text tokens, up to 1600

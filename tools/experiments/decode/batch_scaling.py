@@ -1,7 +1,7 @@
 """Does batching pay on this CPU? (a) ``llm_batch`` decode step time against batch size (150 cached
 positions per row); (b) flow estimator and HiFT time per mel frame against frames per call.
 
-    python bench/batch_scaling.py ENGINES [--threads 2] [--json out.json]
+    python tools/experiments/decode/batch_scaling.py ENGINES [--threads 2] [--json out.json]
 
 ENGINES must have ``llm_batch.onnx`` (``trt-cosy build`` writes it; see docs/benchmarks.md
 "Continuous batching", where the results are).

@@ -1,7 +1,7 @@
 """Where the time goes when N streaming requests share one CPU, and which scheduling policy of the
 shared decode loop and the renders pays (A/B in one process, variants alternating).
 
-    python bench/decode_priority_ab.py ENGINES [--threads 2] [--levels 1,4] [--runs 2] [--json out.json]
+    python tools/experiments/decode/decode_priority_ab.py ENGINES [--threads 2] [--levels 1,4] [--runs 2] [--json out.json]
 
 Part 1 (the floor): decode step times with nothing else running: the unbatched ``llm`` graph
 (``OrtKVDecoder``) and ``llm_batch`` at batch 1, 2, 4, 8, 150 cached positions; the prefill of a

@@ -2,7 +2,7 @@
 per-request ``llm`` graph of the same engines directory: greedy tokens of a batch of mixed prompt
 lengths (slot padding NaN) and the largest logit difference while the tokens agree.
 
-    python bench/llm_decode_cpu.py ENGINES_DIR [--precision fp16|fp32] [--steps 40]
+    python tools/experiments/decode/llm_decode_cpu.py ENGINES_DIR [--precision fp16|fp32] [--steps 40]
 
 ENGINES_DIR: written by ``trt-cosy build --backend tensorrt --onnx-only``. With fp16 this runs the
 strongly typed ``*.fp16.onnx`` graphs; ONNX Runtime computes most fp16 ops in fp32, so it

@@ -1,6 +1,6 @@
-"""Derive variants of an int4 ``llm_batch.onnx`` (or ``llm.onnx``) for ``bench/llm_step_variants.py``.
+"""Derive variants of an int4 ``llm_batch.onnx`` (or ``llm.onnx``) for ``tools/experiments/decode/llm_step_variants.py``.
 
-    python bench/llm_batch_variants.py --int4 INT4_ENGINES --fp32 FP32_ENGINES --out DIR \
+    python tools/experiments/decode/llm_batch_variants.py --int4 INT4_ENGINES --fp32 FP32_ENGINES --out DIR \
         NAME=SPEC [NAME=SPEC ...] [--graph llm_batch|llm]
 
 Writes ``DIR/NAME.onnx`` per variant (one file, no external data). SPEC is a comma list of:

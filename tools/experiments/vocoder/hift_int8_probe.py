@@ -1,6 +1,6 @@
 """How fast and how close an OpenVINO HiFT with int8 (VNNI) convolutions would be: a measurement probe.
 
-    python bench/hift_int8_probe.py /tmp/mixed128/hift.xml --frames 500 --runs 6 --threads 2 \\
+    python tools/experiments/vocoder/hift_int8_probe.py /tmp/mixed128/hift.xml --frames 500 --runs 6 --threads 2 \\
         --groups hift.resblocks,hift.source_resblocks
 
 Reads the fp32 HiFT graph of OpenVINO or mixed engines (``hift.xml``), calibrates one activation range

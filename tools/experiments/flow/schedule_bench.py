@@ -1,6 +1,6 @@
 """Compute of one streaming segment under each schedule, against not streaming (flow + vocoder).
 
-    python bench/schedule_bench.py --engines /tmp/perf-full/int4 --threads 2 --ref-seconds 5 \\
+    python tools/experiments/flow/schedule_bench.py --engines /tmp/perf-full/int4 --threads 2 --ref-seconds 5 \\
         --segment-seconds 15 --runs 2 [--json out.json]
 
 The cost of streaming is the flow and vocoder calls a schedule makes for a segment whose speech

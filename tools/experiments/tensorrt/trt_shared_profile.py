@@ -8,7 +8,7 @@ puts two single-slot runners on the same engine (two contexts, same profiles), r
 threads at lengths across both profiles, and counts outputs that differ from ONNX Runtime.
 Informational: scripts/gpu_check.sh prints the line; nothing in trt-cosy relies on the answer.
 
-    python bench/trt_shared_profile.py [--calls 200]
+    python tools/experiments/tensorrt/trt_shared_profile.py [--calls 200]
 """
 
 from __future__ import annotations
