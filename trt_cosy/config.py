@@ -82,14 +82,12 @@ class QwenConfig:
             ) from exc
 
 
-@dataclass(frozen=True)
-class LLMConfig:
-    """Speech LLM around the Qwen2 backbone (CosyVoice2 ``Qwen2LM``)."""
+@dataclass(frozen=True, kw_only=True)
+class SpeechSampling:
+    """The official sampling settings of every family's speech LLM (RAS: top-p/top-k with a repetition
+    window) and the speech-to-text token ratios that bound its length; eos is ``speech_token_size``."""
 
-    qwen: QwenConfig
-    llm_input_size: int
-    speech_token_size: int = 6561  # FSQ 3^8 speech tokens; ids >= this are specials
-    num_speech_specials: int = 3  # v2: eos 6561, 6562, fill 6563
+    speech_token_size: int
     top_p: float = 0.8
     top_k: int = 25
     win_size: int = 10
@@ -98,13 +96,23 @@ class LLMConfig:
     max_token_text_ratio: float = 20.0
 
     @property
+    def eos_token(self) -> int:
+        return self.speech_token_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class LLMConfig(SpeechSampling):
+    """Speech LLM around the Qwen2 backbone (CosyVoice2 ``Qwen2LM``)."""
+
+    qwen: QwenConfig
+    llm_input_size: int
+    speech_token_size: int = 6561  # FSQ 3^8 speech tokens; ids >= this are specials
+    num_speech_specials: int = 3  # v2: eos 6561, 6562, fill 6563
+
+    @property
     def speech_vocab_size(self) -> int:
         """Rows of ``speech_embedding`` and outputs of ``llm_decoder`` (6564 for v2)."""
         return self.speech_token_size + self.num_speech_specials
-
-    @property
-    def eos_token(self) -> int:
-        return self.speech_token_size
 
     @property
     def stop_tokens(self) -> tuple[int, ...]:

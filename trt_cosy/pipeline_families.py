@@ -47,43 +47,20 @@ class V3Stages(NamedTuple):
     vocoder: V3VocoderStage
 
 
-class V1Schedule:
+class V1Schedule(HopSchedule):
     """The official v1 token schedule of one segment, as a pure function of the token count.
 
     Streaming: whenever ``hop + overlap`` tokens past the current offset exist, a non-final chunk
     takes exactly those and the offset moves on by ``hop`` (the last ``overlap`` tokens come again
     in the next chunk); when the LLM has finished, one final chunk takes the rest. A chunk plan's
     tokens are ``tokens[offset:end]`` (each flow call sees only its own tokens, not the history).
-    Not streaming: one final chunk over everything.
+    Not streaming: one final chunk over everything. That is ``HopSchedule`` with no prompt padding,
+    a hop that never grows and the overlap as its look-ahead.
     """
 
     def __init__(self, stream: bool, hop: int = 100, overlap: int = 20):
-        self.stream = stream
-        self.hop = hop
+        super().__init__(0, stream, hop, overlap, max_hop=hop, scale=1)
         self.overlap = overlap
-        self.offset = 0
-        self.done = False
-
-    @property
-    def needed(self) -> int | None:
-        """Tokens the next non-final chunk needs in all; None when only the LLM's end can decide."""
-        if self.done or not self.stream:
-            return None
-        return self.offset + self.hop + self.overlap
-
-    def next_chunk(self, available: int, finished: bool) -> ChunkPlan | None:
-        """The chunk to run now, or None to wait for more tokens (or after the final chunk)."""
-        if self.done:
-            return None
-        needed = self.needed
-        if needed is not None and available >= needed:
-            plan = ChunkPlan(end=needed, offset=self.offset, final=False)
-            self.offset += self.hop
-            return plan
-        if finished:
-            self.done = True
-            return ChunkPlan(end=available, offset=self.offset, final=True)
-        return None
 
 
 class V1Request(Request):

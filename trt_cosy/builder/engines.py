@@ -55,6 +55,7 @@ from .family_engines import (
 from .flow_incremental import export_incremental_estimator, write_incremental_estimator
 from .onnx.llm_batch import batch_graph_record, write_batched_llm
 from .onnx.passes import rewrite_engine_graphs
+from .progress import emitter
 from .quantize.engines import QUANTIZED_PRECISIONS, nbits_blocks, quantize_engines
 from .quantize.estimator_int8 import quantize_estimators
 from .quantize.vocoder_int8 import quantize_vocoders
@@ -117,7 +118,7 @@ def build_engines(
     if backend in ("openvino", "mixed"):
         _check_openvino(precision)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    emit = _emitter(progress)
+    emit = emitter(_LOGGER, progress)
     start = time.perf_counter()
     hashes = hash_checkpoint(model_dir)
     if not force and _is_current(out_dir, hashes, backend, precision):
@@ -179,15 +180,6 @@ def _check_openvino(precision: str) -> None:
             "float32 here; build --precision fp32 for this machine",
             precision,
         )
-
-
-def _emitter(progress: Progress | None) -> Progress:
-    def emit(message: str) -> None:
-        _LOGGER.info("%s", message)
-        if progress is not None:
-            progress(message)
-
-    return emit
 
 
 def _is_current(out_dir: Path, hashes: dict[str, str], backend: str, precision: str) -> bool:

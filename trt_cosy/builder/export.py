@@ -35,6 +35,7 @@ from ..runtime.graphs import GraphSpec
 from ..runtime.manifest import GraphRecord, TensorRecord
 from ..runtime.model import LoadedModel
 from ..runtime.ort import OrtRunner
+from .progress import emitter
 
 __all__ = [
     "OPSET",
@@ -108,7 +109,7 @@ def export_graph(
     ``TrtCosyError`` naming the output and the error.
     """
     path = Path(path)
-    emit = _emitter(progress)
+    emit = emitter(_LOGGER, progress)
     start = time.perf_counter()
     module = module.eval()
     emit(f"{spec.name}: exporting to {path.name} (opset {opset})")
@@ -159,15 +160,6 @@ def _export_to_file(
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path), external_data=_parameter_bytes(module) > _EXTERNAL_DATA_BYTES)
-
-
-def _emitter(progress: Progress | None) -> Progress:
-    def emit(message: str) -> None:
-        _LOGGER.info("%s", message)
-        if progress is not None:
-            progress(message)
-
-    return emit
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ from .modules.flow_estimator import CausalConditionalDecoder
 from .modules.flow_estimator_incremental import IncrementalEstimatorGraph, incremental_cache_layout
 from .onnx.files import save_onnx
 from .onnx.passes import INCREMENTAL_REWRITES, check_equivalent, rewrite_model
+from .progress import emitter
 from .quantize.engines import quantize_matmul_int8
 
 __all__ = [
@@ -173,7 +174,7 @@ def write_incremental_estimator(
         count = quantize_matmul_int8(path, staged)
         staged.replace(path)
         message = f"{path.stem}: {count} MatMul weights -> int8 in {time.perf_counter() - start:.1f} s"
-        _emit(progress, message)
+        emitter(_LOGGER, progress)(message)
     return path, _record(result, out_dir)
 
 
@@ -213,20 +214,13 @@ def _rewrite(path: Path, feeds: list[dict[str, np.ndarray]], progress: Progress 
         worst = check_equivalent(path, staged, feeds, path.stem)
         for file in Path(scratch).iterdir():
             file.replace(path.parent / file.name)
-    _emit(
-        progress,
+    emitter(_LOGGER, progress)(
         f"{path.stem}: {counts.describe()} rewritten for ONNX Runtime (max relative change {worst:.1e})",
     )
 
 
 def _record(result: ExportResult, root: Path) -> GraphRecord:
     return graph_record(result.path, root, result.max_errors)
-
-
-def _emit(progress: Progress | None, message: str) -> None:
-    _LOGGER.info("%s", message)
-    if progress is not None:
-        progress(message)
 
 
 def add_incremental_estimator(engines_dir: Path, model_dir: Path, progress: Progress | None = None) -> Path:

@@ -57,6 +57,7 @@ from ...runtime.trt import (
     trt_logger,
 )
 from ...version import __version__
+from ..progress import emitter
 
 __all__ = [
     "TRT_PRECISIONS",
@@ -110,7 +111,7 @@ def prepare_trt_graphs(
     if config.family not in TRT_FAMILIES:
         raise InputError(f"TensorRT engines are not available for model family {config.family!r}.")
     engines_dir = Path(engines_dir)
-    emit = _emitter(progress)
+    emit = emitter(_LOGGER, progress)
     profiles = default_profiles(config, family_named(config.family), limits)
     names = list(family_named(config.family).graphs)
     if (engines_dir / f"{LLM_DECODE_NAME}.onnx").is_file():  # exported for the Qwen2 families
@@ -222,7 +223,7 @@ def build_plans(
     execution contexts may run each plan at once (the plan holds its profiles once per slot).
     """
     engines_dir = Path(engines_dir)
-    emit = _emitter(progress)
+    emit = emitter(_LOGGER, progress)
     summary = _read_summary(engines_dir)
     profiles = read_profiles(engines_dir / summary["profiles"])
     trt = load_tensorrt()
@@ -303,7 +304,7 @@ def build_plan(
     and written back to ``timing_cache`` when given.
     """
     trt = trt or load_tensorrt()
-    emit = _emitter(progress)
+    emit = emitter(_LOGGER, progress)
     start = time.perf_counter()
     builder = trt.Builder(trt_logger(trt))
     network = builder.create_network(_strongly_typed_flags(trt))
@@ -432,15 +433,6 @@ def _write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
 
 def _write_json_atomic(path: Path, value: Mapping[str, Any]) -> None:
     _write_bytes_atomic(path, (json.dumps(value, indent=1) + "\n").encode("utf-8"))
-
-
-def _emitter(progress: Progress | None) -> Progress:
-    def emit(message: str) -> None:
-        _LOGGER.info("%s", message)
-        if progress is not None:
-            progress(message)
-
-    return emit
 
 
 def main(argv: list[str] | None = None) -> int:

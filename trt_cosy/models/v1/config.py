@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from ...config import YAML_BY_FAMILY, CFMConfig, EstimatorConfig, HiFTConfig, MelConfig, hift_fields
+from ...config import (
+    YAML_BY_FAMILY,
+    CFMConfig,
+    EstimatorConfig,
+    HiFTConfig,
+    MelConfig,
+    SpeechSampling,
+    hift_fields,
+)
 from ...errors import ModelDirError
 from ...hyperyaml import Tagged, find_tagged, load_hyperyaml
 
@@ -45,8 +53,8 @@ class V1EncoderConfig:
     static_chunk_size: int = 0  # 1 = causal (LLM parts), 0 = full attention (flow)
 
 
-@dataclass(frozen=True)
-class V1LLMConfig:
+@dataclass(frozen=True, kw_only=True)
+class V1LLMConfig(SpeechSampling):
     """``TransformerLM``: text embedding + Conformer text encoder + transformer LM + speech head."""
 
     text_token_size: int
@@ -57,21 +65,11 @@ class V1LLMConfig:
     text_encoder: V1EncoderConfig
     llm: V1EncoderConfig
     speech_token_size: int = 4096
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
-    min_token_text_ratio: float = 2.0
-    max_token_text_ratio: float = 20.0
 
     @property
     def speech_vocab_size(self) -> int:
         """Outputs of ``llm_decoder`` (4097: the tokens + eos). ``speech_embedding`` has 4096 rows."""
         return self.speech_token_size + 1
-
-    @property
-    def eos_token(self) -> int:
-        return self.speech_token_size
 
     @property
     def stop_tokens(self) -> tuple[int, ...]:
