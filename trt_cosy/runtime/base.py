@@ -12,7 +12,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Runner"]
+from ..errors import InputError
+
+__all__ = ["Runner", "cast_input"]
 
 
 @runtime_checkable
@@ -30,3 +32,23 @@ class Runner(Protocol):
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph on ``feed`` (all inputs by name) and return every output by name."""
         ...
+
+
+def cast_input(graph: str, key: str, value: np.ndarray, dtype: np.dtype | None, writeable: bool = False) -> np.ndarray:
+    """``value`` as a C-contiguous array of the graph input's ``dtype`` (None: as it is), for any backend.
+
+    ``same_kind`` casting allows int64 -> int32 and float64 -> float32 and refuses float -> int, which
+    raises ``InputError`` naming the graph and input. ``writeable``: a read-only array (a memory-mapped
+    table) is copied, for backends that share only writable memory (OpenVINO)."""
+    array = np.asarray(value)
+    if dtype is None or array.dtype == dtype:
+        if writeable and not array.flags.writeable:
+            return np.array(array, order="C")
+        return np.ascontiguousarray(array)
+    try:
+        return np.ascontiguousarray(array.astype(dtype, casting="same_kind"))
+    except TypeError as exc:
+        raise InputError(
+            f"graph '{graph}' input '{key}' is {dtype}; got {array.dtype}, which does not "
+            f"convert safely. Pass {dtype} values."
+        ) from exc

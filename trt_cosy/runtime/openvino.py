@@ -33,6 +33,7 @@ from typing import Any, Final
 import numpy as np
 
 from ..errors import EngineMismatchError, InputError, require
+from .base import cast_input
 from .lazy import LazyRunner
 from .ort import default_threads
 
@@ -360,17 +361,8 @@ class OvRunner:
         if libc is not None:
             libc.malloc_trim(0)  # the blocks OpenVINO freed, which glibc keeps in its heaps
 
-    def _cast(self, key: str, value: np.ndarray) -> np.ndarray:
-        array, dtype = np.asarray(value), self._inputs[key]
-        if array.dtype == dtype:  # OpenVINO shares only writable memory (tables are read-only maps)
-            return array if array.flags.c_contiguous and array.flags.writeable else np.array(array, order="C")
-        try:  # same_kind allows int64 -> int32 and float64 -> float32, refuses float -> int
-            return np.ascontiguousarray(array.astype(dtype, casting="same_kind"))
-        except TypeError as exc:
-            raise InputError(
-                f"graph '{self.name}' input '{key}' is {dtype}; got {array.dtype}, which does not "
-                f"convert safely. Pass {dtype} values."
-            ) from exc
+    def _cast(self, key: str, value: np.ndarray) -> np.ndarray:  # OpenVINO shares only writable memory
+        return cast_input(self.name, key, value, self._inputs[key], writeable=True)
 
     def kv_decoder(self, cache_shape: tuple[int, ...]) -> OvKVDecoder:
         """A step-by-step decoder for a graph of the ``LLM`` contract (see ``OvKVDecoder``)."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import EngineMismatchError, InputError, MissingDependencyError, ModelDirError, require
 from . import heap, run_scope
+from .base import cast_input
 from .lazy import LazyRunner
 
 __all__ = [
@@ -245,16 +246,7 @@ class OrtRunner:
         return dict(zip(self._outputs, outputs, strict=True))
 
     def _cast(self, key: str, value: np.ndarray) -> np.ndarray:
-        array, dtype = np.asarray(value), self._dtypes[key]
-        if dtype is None or array.dtype == dtype:
-            return np.ascontiguousarray(array)
-        try:  # same_kind allows int64 -> int32 and float64 -> float32, refuses float -> int
-            return np.ascontiguousarray(array.astype(dtype, casting="same_kind"))
-        except TypeError as exc:
-            raise InputError(
-                f"graph '{self.name}' input '{key}' is {dtype}; got {array.dtype}, which does not "
-                f"convert safely. Pass {dtype} values."
-            ) from exc
+        return cast_input(self.name, key, value, self._dtypes[key])
 
     def kv_decoder(self, cache_shape: tuple[int, ...]) -> OrtKVDecoder:
         """A step-by-step decoder for a graph of the ``LLM`` contract (see ``OrtKVDecoder``)."""
