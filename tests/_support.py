@@ -56,7 +56,6 @@ def tiny_release(factory, golden_dir):
 
     require_build_extra()
     from trt_cosy.builder.testmodel.release import make_test_model
-
     from trt_cosy.config import QWEN_DIR
 
     base = factory.getbasetemp()

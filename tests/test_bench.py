@@ -126,7 +126,6 @@ def test_bench_rejects_too_few_tokens(engines):
 
 def test_derived_int4_engines_bench_and_leave_fp32_untouched(engines, tmp_path):
     from trt_cosy.builder.quantize.engines import derive_engines
-
     from trt_cosy.runtime.manifest import Manifest
 
     before = (engines / "manifest.json").read_bytes()

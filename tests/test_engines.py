@@ -22,11 +22,11 @@ pytest.importorskip("torch", reason="needs the [build] extra (torch)")
 pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 from _support import BLOCK_TORCH, shared_tiny_engines
+
 from trt_cosy.builder import engines as build_module
 from trt_cosy.builder.export import ExportResult, graph_export_plan
 from trt_cosy.builder.noise import official_flow_noise
 from trt_cosy.builder.reference import load_torch_model
-
 from trt_cosy.errors import EngineMismatchError, InputError
 from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import graphs

@@ -24,6 +24,7 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from _support import tiny_engines
+
 from trt_cosy.builder.derived import link_or_copy
 from trt_cosy.builder.quantize.estimator_int8 import (
     CALIBRATION_UTTERANCES,
@@ -34,7 +35,6 @@ from trt_cosy.builder.quantize.estimator_int8 import (
     quantize_estimators,
 )
 from trt_cosy.builder.quantize.int8_conv import LOG_MEL_FLOOR
-
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest
 from trt_cosy.verify.quality import QualityInputs, quality_guard

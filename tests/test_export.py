@@ -21,10 +21,10 @@ import torch
 from _support import shared_tiny_engines
 from torch import nn
 from torch.export import Dim
+
 from trt_cosy.builder import export as export_module
 from trt_cosy.builder.export import TOLERANCES, export_graph, graph_export_plan, onnx_io_specs
 from trt_cosy.builder.reference import load_torch_model
-
 from trt_cosy.errors import TrtCosyError
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.graphs import GraphSpec, TensorSpec

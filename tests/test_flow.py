@@ -13,11 +13,11 @@ import pytest
 pytest.importorskip("torch", reason="needs the [build] extra (torch)")
 
 import torch
+
 from trt_cosy.builder.modules.flow import EstimatorGraph, FlowEncoderGraph, load_flow
 from trt_cosy.builder.modules.flow_encoder import rel_position_table
 from trt_cosy.builder.noise import official_flow_noise
 from trt_cosy.builder.torch_runner import TorchRunner
-
 from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime.graphs import FLOW_ENCODER, FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, GraphSpec

@@ -39,7 +39,6 @@ def test_the_graph_on_new_frames_equals_the_chunk_attention_estimator(v2_tiny_di
         IncrementalEstimatorGraph,
         incremental_cache_layout,
     )
-
     from trt_cosy.models.v2.config import v2_config_from_release_dir
 
     config = v2_config_from_release_dir(v2_tiny_dir)
@@ -312,6 +311,7 @@ def test_derived_int4_engines_quantise_the_incremental_graph(
     its chunks then differ from the recomputed int8 ones only by the per-call activation scales."""
     onnx = pytest.importorskip("onnx", reason="reading the graph needs onnx (the [build] extra)")
     from _support import tiny_engines
+
     from trt_cosy.builder.quantize.engines import derive_engines
 
     int4 = derive_engines(tiny_engines(tmp_path_factory, v2_tiny_dir), tmp_path / "int4", "int4")

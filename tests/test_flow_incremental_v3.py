@@ -1,4 +1,4 @@
-"""CosyVoice3 incremental streaming flow: the DiT over new frames only (``builder.models.v3.dit_incremental``)
+"""CosyVoice3 incremental streaming flow: the DiT over new frames only (``models.v3.export.dit_incremental``)
 through the CosyVoice2 runtime (``stages.flow_incremental``).
 
 The torch tests check the premise (the streaming DiT is chunk-causal: completed chunks come out the
@@ -35,7 +35,7 @@ STREAM = graphs_v3.FLOW_ESTIMATOR_STREAM.name
 
 def _tiny_dit():
     pytest.importorskip("torch", reason="the torch reference needs torch (the [build] extra)")
-    from trt_cosy.builder.models.v3.flow import load_flow_v3
+    from trt_cosy.models.v3.export.flow import load_flow_v3
 
     config = v3_config_from_release_dir(V3_TINY)
     return config, load_flow_v3(V3_TINY, config.flow).decoder.estimator
@@ -72,7 +72,8 @@ def test_the_streaming_dit_is_chunk_causal():
 
 def test_the_graph_on_new_frames_equals_the_chunk_attention_dit():
     import torch
-    from trt_cosy.builder.models.v3.dit_incremental import (
+
+    from trt_cosy.models.v3.export.dit_incremental import (
         V3IncrementalEstimatorGraph,
         v3_incremental_cache_layout,
     )

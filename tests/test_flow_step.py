@@ -171,7 +171,6 @@ def estimator_dir(tmp_path_factory, flow, model_config) -> Path:
     else exported here (two dynamo exports, no other graph)."""
     from trt_cosy.builder.export import export_graph, graph_export_plan
     from trt_cosy.builder.modules.flow import EstimatorGraph
-
     from trt_cosy.runtime.manifest import MANIFEST_NAME
 
     shared = tmp_path_factory.getbasetemp() / "tiny-engines"
@@ -202,7 +201,6 @@ def _golden_solve(flow, config, reference, estimators, scenario: str, index: int
     """token2mel of a golden chunk through the torch encoder and ``estimators``: (mel, first feed, P)."""
     from trt_cosy.builder.modules.flow import FlowEncoderGraph
     from trt_cosy.builder.torch_runner import TorchRunner
-
     from trt_cosy.runtime.graphs import FLOW_ENCODER
     from trt_cosy.stages.flow import FlowStage
 

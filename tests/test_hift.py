@@ -13,11 +13,11 @@ pytest.importorskip("torch", reason="needs the [build] extra (torch)")
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from trt_cosy.builder.checkpoint import fold_weight_norm
 from trt_cosy.builder.modules.hift import HiFTGenerator, HiFTGraph, load_hift
 from trt_cosy.builder.modules.hift_source import ConvISTFT, ConvSTFT, periodic_hann, upsample_linear
 from trt_cosy.builder.torch_runner import TorchRunner
-
 from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime.graphs import HIFT

@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("torch", reason="needs the [build] extra (torch)")
 
 import torch
+
 from trt_cosy.builder.modules.llm import LLMGraph, embedding_tables, load_llm
 from trt_cosy.builder.torch_runner import TorchRunner
-
 from trt_cosy.config import LLMConfig
 from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config

@@ -14,9 +14,9 @@ import onnx
 import pytest
 from _streaming_support import make_tiny_voice
 from _support import shared_tiny_engines
-from trt_cosy.builder.onnx.llm_batch import derive_batched_llm
 
 from trt_cosy import CosyVoice, InputError, SynthesisConfig
+from trt_cosy.builder.onnx.llm_batch import derive_batched_llm
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
 from trt_cosy.runtime.manifest import Manifest

@@ -15,6 +15,7 @@ ort = pytest.importorskip("onnxruntime", reason="needs onnxruntime")
 
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
 from trt_cosy.builder.quantize.engines import quantize_weights_nbits
 
 _SPEC = importlib.util.spec_from_file_location(

@@ -29,11 +29,10 @@ from click.testing import CliRunner
 
 ov = pytest.importorskip("openvino", reason="mixed engines need `pip install 'trt-cosy[openvino]'`")
 
+from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.builder.derived import link_or_copy  # noqa: E402
 from trt_cosy.builder.engines import build_engines  # noqa: E402
 from trt_cosy.builder.flow_incremental import add_incremental_estimator  # noqa: E402
-
-from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.cli import main  # noqa: E402
 from trt_cosy.errors import EngineMismatchError, InputError  # noqa: E402
 from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402

@@ -10,6 +10,7 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+
 from trt_cosy.builder.onnx import files as onnx_files
 
 

@@ -28,10 +28,9 @@ from click.testing import CliRunner
 
 ov = pytest.importorskip("openvino", reason="the OpenVINO backend needs `pip install 'trt-cosy[openvino]'`")
 
+from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.builder.engines import build_engines  # noqa: E402
 from trt_cosy.builder.openvino import INT4_GROUP, compress_matmul_weights, derive_openvino_engines  # noqa: E402
-
-from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.cli import main  # noqa: E402
 from trt_cosy.errors import EngineMismatchError, InputError  # noqa: E402
 from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402

@@ -17,6 +17,7 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
 from trt_cosy.builder.onnx.passes import (
     EQUIVALENCE_TOLERANCE,
     GRAPH_REWRITES,
@@ -24,7 +25,6 @@ from trt_cosy.builder.onnx.passes import (
     rewrite_model,
 )
 from trt_cosy.builder.onnx.rewrites import fuse_attention, fuse_gelu, fuse_tanh_gelu, rewrite_mish
-
 from trt_cosy.errors import BuildError
 from trt_cosy.models.registry import read_release_config
 

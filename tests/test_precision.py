@@ -15,6 +15,7 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
 from trt_cosy.builder.quantize.precision import (
     FP16,
     FP32,
@@ -23,7 +24,6 @@ from trt_cosy.builder.quantize.precision import (
     convert_model_fp16,
     to_fp16_graph,
 )
-
 from trt_cosy.errors import MissingDependencyError, TrtCosyError
 from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime.ort import OrtRunner
@@ -248,7 +248,6 @@ def test_fp16_graphs_track_fp32_on_golden_inputs(tiny_fp16, v2_reference):
 @pytest.mark.slow
 def test_onnx_only_writes_fp16_graphs_profiles_and_summary(tiny_fp16, tmp_path):
     from trt_cosy.builder.trt.plans import build_plans, prepare_trt_graphs
-
     from trt_cosy.runtime.manifest import hash_checkpoint
     from trt_cosy.runtime.profiles import read_profiles
 

@@ -18,6 +18,7 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 import onnx
 from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
+
 from trt_cosy.builder.export import export_graph, graph_export_plan
 from trt_cosy.builder.modules.llm import LLMGraph, embedding_tables, load_llm
 from trt_cosy.builder.quantize.engines import (
@@ -28,7 +29,6 @@ from trt_cosy.builder.quantize.engines import (
     quantize_matmul_int8,
     quantize_weights_nbits,
 )
-
 from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import graphs

@@ -27,11 +27,11 @@ import onnx
 import soundfile
 from _support import GOLDEN, family_engines
 from click.testing import CliRunner
+
 from trt_cosy.builder.family_engines import check_family_options
 from trt_cosy.builder.quantize.engines import QUANTIZABLE_FAMILIES, derive_engines, precision_plan
 from trt_cosy.builder.quantize.estimator_int8 import ESTIMATOR_GRAPHS, estimator_convolutions
 from trt_cosy.builder.quantize.vocoder_int8 import int8_convolutions
-
 from trt_cosy.cli import main
 from trt_cosy.errors import InputError
 from trt_cosy.runtime.engines import load_engines

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from tokenizers import pre_tokenizers
-from trt_cosy.builder.testmodel.tokenizer_writer import write_test_tokenizer
 
+from trt_cosy.builder.testmodel.tokenizer_writer import write_test_tokenizer
 from trt_cosy.errors import InputError, ModelDirError
 from trt_cosy.frontend.tokenizer import (
     COSYVOICE2_SPECIAL_TOKENS,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from tokenizers import pre_tokenizers
-from trt_cosy.builder.testmodel.tokenizer_writer import write_test_tokenizer
 
 from trt_cosy import families
+from trt_cosy.builder.testmodel.tokenizer_writer import write_test_tokenizer
 from trt_cosy.config import QWEN_DIR
 from trt_cosy.frontend.tokenizer import (
     COSYVOICE2_SPECIAL_TOKENS,
@@ -119,7 +119,6 @@ def test_v2_is_unchanged(qwen_dir, v2, v3, bpe_size):
 def test_v3_test_model_tokenizer_fits_its_text_embedding(tmp_path):
     pytest.importorskip("torch", reason="needs the [build] extra (torch) to write the test model's Qwen folder")
     from trt_cosy.builder.testmodel.parts import write_qwen_dir
-
     from trt_cosy.families import load_text_tokenizer
 
     write_qwen_dir(tmp_path, "tiny", family="v3")

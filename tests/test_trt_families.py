@@ -146,7 +146,7 @@ def test_v3_profile_selection_for_typical_shapes(configs):
 
 def test_v1_source_phase_is_float32_and_matches_the_official_rounding():
     torch = pytest.importorskip("torch")
-    from trt_cosy.builder.models.v1.hift import SineGenSource
+    from trt_cosy.models.v1.export.hift import SineGenSource
 
     source = SineGenSource(22050, 8, 0.1, 0.003, 10.0, 256)
     generator = torch.Generator().manual_seed(0)

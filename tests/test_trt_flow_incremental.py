@@ -387,7 +387,6 @@ def _gpu_runners(engines: Path, tmp_path: Path) -> dict:
     """TrtRunners of the encoder, both estimators and the incremental estimator: the plans the engines
     directory has (``trt-cosy build --backend tensorrt``), else plans built here from its fp16 graphs."""
     from trt_cosy.builder.trt.plans import build_plan
-
     from trt_cosy.runtime.profiles import read_profiles
     from trt_cosy.runtime.trt import TrtRunner
 

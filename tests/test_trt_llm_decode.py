@@ -47,9 +47,8 @@ def exported(tmp_path_factory, v2_tiny_dir):
     """The plain ``llm`` export (as a TensorRT engines directory has it) and ``llm_decode``."""
     require_build_extra()
     from trt_cosy.builder.export import export_graph, graph_export_plan
-    from trt_cosy.builder.models.v2.reference import load_torch_model_v2
     from trt_cosy.builder.trt.llm_decode import export_llm_decode
-
+    from trt_cosy.models.v2.export.reference import load_torch_model_v2
     from trt_cosy.runtime import graphs
 
     model = load_torch_model_v2(v2_tiny_dir, threads=1)
@@ -411,8 +410,8 @@ def test_plan_build_adds_the_batch_as_profile_data(tmp_path, v2_tiny_dir):
     """build_plan over the fake tensorrt of test_trt_plan_build: every position bucket of llm_decode is
     added once per slot, each with the batch B 1/4/8 on every batched input and the window P bucketed."""
     from test_trt_plan_build import fake_tensorrt
-    from trt_cosy.builder import tensorrt as trt_build
 
+    from trt_cosy.builder import tensorrt as trt_build
     from trt_cosy.models.registry import read_release_config
 
     config = read_release_config(v2_tiny_dir)

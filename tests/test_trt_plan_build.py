@@ -14,8 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from trt_cosy.builder.trt import plans as trt_build
 
+from trt_cosy.builder.trt import plans as trt_build
 from trt_cosy.errors import TrtCosyError
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, write_profiles
 from trt_cosy.runtime.trt import PlanRecord

@@ -593,7 +593,6 @@ def _toy_onnx(path):
 @pytest.mark.skipif(_NO_GPU is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_NO_GPU}")
 def test_toy_plan_matches_onnxruntime_on_gpu(tmp_path):
     from trt_cosy.builder.trt.plans import build_plan
-
     from trt_cosy.runtime.ort import OrtRunner
 
     source = _toy_onnx(tmp_path / "toy.onnx")
@@ -615,7 +614,6 @@ def test_two_threads_on_two_slots_match_onnxruntime_on_gpu(tmp_path):
     import threading
 
     from trt_cosy.builder.trt.plans import build_plan
-
     from trt_cosy.runtime.ort import OrtRunner
 
     source = _toy_onnx(tmp_path / "toy.onnx")

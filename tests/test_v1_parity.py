@@ -47,7 +47,7 @@ def golden() -> dict:
 @pytest.fixture(scope="module")
 def model():
     torch = pytest.importorskip("torch")
-    from trt_cosy.builder.models.v1.reference import load_torch_model_v1
+    from trt_cosy.models.v1.export.reference import load_torch_model_v1
 
     torch.set_num_threads(1)
     return load_torch_model_v1(V1_TINY)
@@ -380,7 +380,7 @@ def test_tokenizer_v1_with_generated_ranks(tmp_path):
 def test_onnx_export_matches_torch(model, tmp_path, name):
     pytest.importorskip("onnxruntime")
     from trt_cosy.builder.export import export_graph
-    from trt_cosy.builder.models.v1.reference import export_plans_v1
+    from trt_cosy.models.v1.export.reference import export_plans_v1
 
     plan = export_plans_v1(model.config)[name]
     tolerance = 1e-3 if name == graphs_v1.V1_HIFT.name else 1e-4

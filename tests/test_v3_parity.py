@@ -16,13 +16,12 @@ import pytest
 
 pytest.importorskip("torch", reason="needs the [build] extra (torch)")
 
-from trt_cosy.builder.models.v3.causal_hift import CausalHiFTGraph
-from trt_cosy.builder.models.v3.reference import load_torch_model_v3
 from trt_cosy.builder.torch_runner import TorchRunner
-
 from trt_cosy.errors import InputError
 from trt_cosy.models.v3 import graphs as graphs_v3
 from trt_cosy.models.v3.config import V3ModelConfig, v3_config_from_release_dir
+from trt_cosy.models.v3.export.causal_hift import CausalHiFTGraph
+from trt_cosy.models.v3.export.reference import load_torch_model_v3
 from trt_cosy.models.v3.stages import (
     V3VocoderCache,
     V3VocoderStage,
@@ -307,7 +306,7 @@ def test_one_shot_render_equals_vocode(model, ref):
 def test_v3_graph_exports_to_onnx(model, tmp_path, name):
     """Dynamo export + ONNX Runtime vs torch at the sample length and two more (``export_graph`` raises)."""
     from trt_cosy.builder.export import export_graph
-    from trt_cosy.builder.models.v3.export import V3_TOLERANCES, v3_graph_export_plan
+    from trt_cosy.models.v3.export.export import V3_TOLERANCES, v3_graph_export_plan
 
     plan = v3_graph_export_plan(name, model.config)
     assert len(plan.parity) >= 2

@@ -159,6 +159,7 @@ def test_golden_of_another_family_is_refused() -> None:
 @pytest.mark.slow
 def test_verify_on_quantised_engines_says_which_engines_parity_needs(tmp_path_factory, tmp_path) -> None:
     from _support import shared_tiny_engines
+
     from trt_cosy.builder.quantize.engines import derive_engines
 
     _, engines = shared_tiny_engines(tmp_path_factory, DIRS["v2"])

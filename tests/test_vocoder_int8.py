@@ -23,6 +23,7 @@ pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import onnx
 from _support import tiny_engines, tiny_release
+
 from trt_cosy.builder.derived import link_or_copy
 from trt_cosy.builder.quantize.engines import derive_engines
 from trt_cosy.builder.quantize.vocoder_int8 import (
@@ -32,7 +33,6 @@ from trt_cosy.builder.quantize.vocoder_int8 import (
     int8_convolutions,
     quantize_vocoders,
 )
-
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest
 from trt_cosy.runtime.ort import OrtRunner

@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("onnx", reason="needs the [build] extra (onnx)")
 
 import soundfile
-from trt_cosy.builder.testmodel.standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
 
+from trt_cosy.builder.testmodel.standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
 from trt_cosy.config import MelConfig
 from trt_cosy.errors import InputError
 from trt_cosy.frontend.features import speaker_features

@@ -28,11 +28,11 @@ from ..errors import InputError
 from ..models.registry import FAMILIES, family_named, family_of_release
 from ..models.v1.config import V1ModelConfig
 from ..models.v1.tokenizer import V1_TOKENIZER_FILE
+from ..models.v3.export.family import hift_noise_seconds
 from ..runtime.engines import FLOW_NOISE_NAME, HIFT_NOISE_NAME, TABLE_NAMES
 from ..runtime.model import LoadedModel
 from .export import ExportResult, GraphPlan, Progress
-from .models.registry import build_family_of, build_family_of_release
-from .models.v3.family import hift_noise_seconds
+from .registry import build_family_of, build_family_of_release
 
 __all__ = [
     "FRONTEND_FILES",

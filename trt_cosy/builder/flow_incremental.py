@@ -14,7 +14,7 @@ of any of these backends built before it existed. Engines without it still load:
 chunks recompute the flow from the start (``stages.flow``).
 
 CosyVoice 1 has no chunk-attention estimator (its streaming recomputes with full attention): it
-keeps the recomputation. CosyVoice3's DiT graph is ``builder.models.v3.dit_incremental``.
+keeps the recomputation. CosyVoice3's DiT graph is ``models.v3.export.dit_incremental``.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def export_incremental_estimator(
 def _incremental_graph(model: LoadedModel) -> tuple[GraphSpec, nn.Module, GraphPlan] | None:
     """(contract, torch module, export plan) of the family's incremental estimator, or None (v1)."""
     if family_named(model.config.family).incremental_estimator == "dit":
-        from .models.v3.dit_incremental import V3IncrementalEstimatorGraph, v3_incremental_export_plan
+        from ..models.v3.export.dit_incremental import V3IncrementalEstimatorGraph, v3_incremental_export_plan
 
         runner = model.runners.get(graphs.FLOW_ESTIMATOR.name)
         dit = getattr(getattr(runner, "module", None), "estimator", None)  # EstimatorGraph(flow).estimator
@@ -227,7 +227,7 @@ def add_incremental_estimator(engines_dir: Path, model_dir: Path, progress: Prog
     """Add the incremental estimator to existing engines of this version (CosyVoice2: ONNX Runtime,
     OpenVINO or mixed; CosyVoice3: ONNX Runtime; built from ``model_dir``, checked by hash), as their build would write it
     (``flow_estimator_incremental.onnx``, or OpenVINO IR ``.xml``/``.bin``), and record it in the manifest."""
-    from .models.registry import build_family_of_release
+    from .registry import build_family_of_release
 
     engines_dir = Path(engines_dir)
     manifest = Manifest.read(engines_dir)

@@ -1,7 +1,7 @@
 """The torch reference backend: our modules on the official checkpoint, behind Runners.
 
 ``load_torch_model`` reads any family: the release's yaml picks its ``BuildFamily``
-(``trt_cosy.builder.models.registry``), whose loader lives in ``builder/models/<name>/reference.py``.
+(``trt_cosy.builder.registry``), whose loader lives in ``builder/models/<name>/reference.py``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..runtime.model import LoadedModel
-from .models.registry import build_family_of_release
+from .registry import build_family_of_release
 
 __all__ = ["load_torch_model"]
 

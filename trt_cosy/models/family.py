@@ -4,7 +4,7 @@ One subclass per family, in ``trt_cosy/models/<name>/family.py``, holds everythi
 between CosyVoice 1, 2 and 3 on the inference side; ``trt_cosy.models.registry`` maps a release
 directory, a model config or a manifest's ``family`` field to its instance. Shared code asks the
 family object and never compares family names. The torch side (modules, export plans, reference
-runner, test-model writer) is ``trt_cosy.builder.models.family.BuildFamily``.
+runner, test-model writer) is ``trt_cosy.builder.build_family.BuildFamily``.
 
 A family object is stateless: one instance serves every model of the family.
 """
@@ -74,6 +74,9 @@ class Family(ABC):
     # The incremental streaming estimator's kind ("unet": CosyVoice2's U-Net, "dit": CosyVoice3's DiT;
     # None: streaming recomputes), and whether OpenVINO/mixed engines carry it (built and tested for v2).
     incremental_estimator: ClassVar[str | None] = None
+    # Its torch side (export, reference, test model): "module:Class" of a ``BuildFamily`` in
+    # ``trt_cosy/models/<name>/export/``, imported lazily by ``builder.registry`` (the runtime stays torch-free).
+    build_family: ClassVar[str]
     openvino_incremental: ClassVar[bool] = False
     quality: ClassVar[QualityFeeds]
 

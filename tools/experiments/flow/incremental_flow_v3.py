@@ -27,8 +27,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from trt_cosy.builder.models.v3.dit import DiT
-from trt_cosy.builder.models.v3.dit_incremental import (
+from trt_cosy.models.v3.export.dit import DiT
+from trt_cosy.models.v3.export.dit_incremental import (
     V3IncrementalEstimatorGraph,
     v3_incremental_cache_layout,
 )
@@ -157,7 +157,7 @@ def main() -> None:
         torch.manual_seed(0)
         dit = DiT(FULL_SIZE).eval()
     else:
-        from trt_cosy.builder.models.v3.flow import load_flow_v3
+        from trt_cosy.models.v3.export.flow import load_flow_v3
 
         config = v3_config_from_release_dir(args.model_dir)
         dit = load_flow_v3(args.model_dir, config.flow).decoder.estimator

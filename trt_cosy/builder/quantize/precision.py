@@ -172,7 +172,7 @@ def _reject_float64(graph: onnx.GraphProto, types: Mapping[str, int]) -> None:
     if double:
         raise TrtCosyError(
             f"the graph computes in float64 ({len(double)} tensors, e.g. {double[:3]}); TensorRT has no "
-            "float64. Re-export the stage in float32 (see trt_cosy/builder/models/v1/hift.py for an example)."
+            "float64. Re-export the stage in float32 (see trt_cosy/models/v1/export/hift.py for an example)."
         )
 
 

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Final
 
 from ...errors import InputError
-from ..models.registry import BUILD_FAMILIES
+from ..registry import BUILD_FAMILY_NAMES, build_family_named
 
 __all__ = ["make_test_model", "SIZES", "FAMILIES"]
 
 _LOGGER = logging.getLogger(__name__)
 
 SIZES: Final = ("tiny", "full")
-FAMILIES: Final = tuple(BUILD_FAMILIES)  # "v1", "v2", "v3"
+FAMILIES: Final = BUILD_FAMILY_NAMES  # "v1", "v2", "v3"
 
 
 def make_test_model(
@@ -51,7 +51,7 @@ def make_test_model(
     staging = Path(tempfile.mkdtemp(prefix=".make-test-model-", dir=out.parent))
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; a model directory is not
-        BUILD_FAMILIES[family].write_test_release(staging, size, seed)
+        build_family_named(family).write_test_release(staging, size, seed)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

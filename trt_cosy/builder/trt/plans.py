@@ -141,7 +141,7 @@ def prepare_trt_graphs(
 
 def _export_feeds(name: str, config: ModelConfig | V1ModelConfig) -> list[dict[str, Any]]:
     """The export's sample and parity feeds of graph ``name`` (calibration and fp16-vs-fp32 check)."""
-    from ..models.registry import build_family_of  # torch: build time only
+    from ..registry import build_family_of  # torch: build time only
 
     if name == LLM_DECODE_NAME:
         from .llm_decode import llm_decode_plan

@@ -107,6 +107,7 @@ class V1Family(Family):
     """CosyVoice-300M, -SFT and -Instruct."""
 
     name = "v1"
+    build_family = "trt_cosy.models.v1.export.family:V1BuildFamily"
     title = "CosyVoice 1 (300M)"
     yaml_name = "cosyvoice.yaml"
     speech_tokenizer_file = "speech_tokenizer_v1.onnx"

@@ -97,6 +97,7 @@ class V2Family(Family):
     """CosyVoice2-0.5B."""
 
     name = "v2"
+    build_family = "trt_cosy.models.v2.export.family:V2BuildFamily"
     title = "CosyVoice2"
     yaml_name = "cosyvoice2.yaml"
     speech_tokenizer_file = "speech_tokenizer_v2.onnx"

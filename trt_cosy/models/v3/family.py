@@ -58,6 +58,7 @@ class V3Family(V2Family):
     """Fun-CosyVoice3-0.5B."""
 
     name = "v3"
+    build_family = "trt_cosy.models.v3.export.family:V3BuildFamily"
     title = "CosyVoice3"
     yaml_name = "cosyvoice3.yaml"
     speech_tokenizer_file = "speech_tokenizer_v3.onnx"

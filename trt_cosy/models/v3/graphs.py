@@ -12,7 +12,7 @@ looks runners up by name (``FlowStage``, verify) works for both families.
   so its outputs are shorter than its input: f0 F-3 frames, wav 480·(F-8) samples.
 * ``FLOW_ESTIMATOR_INCREMENTAL_V3`` (optional, ONNX Runtime engines): the DiT over new streaming
   frames only, ``graphs.FLOW_ESTIMATOR_INCREMENTAL``'s I/O with 30-frame convolution tails (the
-  causal conv position embedding's ``kernel - 1``; ``builder.models.v3.dit_incremental``).
+  causal conv position embedding's ``kernel - 1``; ``models.v3.export.dit_incremental``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CosyVoice3 host-side pieces (numpy only) that differ from CosyVoice2.
 
 What is reused unchanged: ``LLMStage`` (the v3 tables put sos/task rows in ``llm_embedding``, see
-``builder.models.v3.llm.embedding_tables_v3``), ``FlowStage`` and ``solve_euler`` (the v3 encoder
+``models.v3.export.llm.embedding_tables_v3``), ``FlowStage`` and ``solve_euler`` (the v3 encoder
 graph and the DiT estimator keep the CosyVoice2 contracts). What is here:
 
 * ``filter_silent_tokens``: ``CosyVoice3Model.llm_job`` drops silence/breath tokens after 5 in a row.

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from ....models.v3.config import DiTConfig, V3ModelConfig
-from ...export import GraphPlan
-from ...modules.flow_estimator_incremental import chunk_attention_bias
+from ....builder.export import GraphPlan
+from ....builder.modules.flow_estimator_incremental import chunk_attention_bias
+from ..config import DiTConfig, V3ModelConfig
 from .dit import DiT, DiTBlock, _modulate, apply_rotary, rotary_tables
 
 __all__ = ["V3IncrementalEstimatorGraph", "v3_incremental_cache_layout", "v3_incremental_export_plan"]

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....models.v3.config import CausalHiFTConfig
-from ...checkpoint import fold_weight_norm, load_strict, read_state_dict
-from ...modules.hift import ResBlock, _source_down_rates
-from ...modules.hift_source import ConvISTFT, ConvSTFT, SourceModule
+from ....builder.checkpoint import fold_weight_norm, load_strict, read_state_dict
+from ....builder.modules.hift import ResBlock, _source_down_rates
+from ....builder.modules.hift_source import ConvISTFT, ConvSTFT, SourceModule
+from ..config import CausalHiFTConfig
 
 __all__ = ["CausalConv1d", "CausalHiFTGenerator", "CausalHiFTGraph", "load_causal_hift"]
 

@@ -6,13 +6,13 @@ import logging
 from pathlib import Path
 from typing import Any, Final
 
-from ....models.registry import FAMILIES
-from ....models.v1 import graphs as graphs_v1
+from ....builder.build_family import BuildFamily
+from ....builder.export import ExportResult, GraphPlan, Progress, export_graph
+from ....builder.spk2info import SPK2INFO_FILE, read_spk2info, write_speakers
 from ....runtime.engines import SPEAKERS_NAME
 from ....runtime.model import LoadedModel
-from ...export import ExportResult, GraphPlan, Progress, export_graph
-from ...spk2info import SPK2INFO_FILE, read_spk2info, write_speakers
-from ..family import BuildFamily
+from ...registry import FAMILIES
+from .. import graphs as graphs_v1
 from .reference import export_plans_v1, load_torch_model_v1
 from .testmodel import write_release_v1
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....models.v3.config import DiTConfig
-from ...modules.flow_estimator import estimator_attention_bias, sinusoidal_embedding
+from ....builder.modules.flow_estimator import estimator_attention_bias, sinusoidal_embedding
+from ..config import DiTConfig
 
 __all__ = ["DiT", "DiTBlock", "rotary_tables", "apply_rotary"]
 

@@ -25,10 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ....models.v1.config import V1EncoderConfig, V1LLMConfig
-from ...checkpoint import load_strict, read_state_dict
-from ...modules.flow_encoder import ConformerLayer, LinearEmbed, RelPositionAttention, rel_position_table
-from ...modules.qwen2 import causal_mask
+from ....builder.checkpoint import load_strict, read_state_dict
+from ....builder.modules.flow_encoder import (
+    ConformerLayer,
+    LinearEmbed,
+    RelPositionAttention,
+    rel_position_table,
+)
+from ....builder.modules.qwen2 import causal_mask
+from ..config import V1EncoderConfig, V1LLMConfig
 
 __all__ = [
     "ConformerEncoder",

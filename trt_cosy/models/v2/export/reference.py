@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from ....models.v2.config import v2_config_from_release_dir
+from ....builder.modules.flow import EstimatorGraph, FlowEncoderGraph, load_flow
+from ....builder.modules.hift import HiFTGraph, load_hift
+from ....builder.modules.llm import LLMGraph, embedding_tables, load_llm
+from ....builder.noise import official_flow_noise
+from ....builder.torch_runner import TorchRunner
 from ....runtime import graphs
 from ....runtime.model import LoadedModel
-from ...modules.flow import EstimatorGraph, FlowEncoderGraph, load_flow
-from ...modules.hift import HiFTGraph, load_hift
-from ...modules.llm import LLMGraph, embedding_tables, load_llm
-from ...noise import official_flow_noise
-from ...torch_runner import TorchRunner
+from ..config import v2_config_from_release_dir
 
 __all__ = ["load_torch_model_v2"]
 

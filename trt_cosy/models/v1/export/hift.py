@@ -29,9 +29,9 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
+from ....builder.checkpoint import fold_weight_norm, load_strict, read_state_dict
+from ....builder.modules.hift import HiFTGenerator
 from ....config import HiFTConfig
-from ...checkpoint import fold_weight_norm, load_strict, read_state_dict
-from ...modules.hift import HiFTGenerator
 
 __all__ = ["MAX_EXACT_FRAMES", "SineGenSource", "HiFTGraphV1", "build_hift_v1", "load_hift_v1"]
 

@@ -9,12 +9,12 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from ....models.v1 import graphs as graphs_v1
-from ....models.v1.config import V1ModelConfig, v1_config_from_release_dir
-from ....models.v1.stages import regulator_indices
+from ....builder.export import GraphPlan
+from ....builder.torch_runner import TorchRunner
 from ....runtime.model import LoadedModel
-from ...export import GraphPlan
-from ...torch_runner import TorchRunner
+from .. import graphs as graphs_v1
+from ..config import V1ModelConfig, v1_config_from_release_dir
+from ..stages import regulator_indices
 from .flow import EstimatorGraphV1, FlowEncoderGraphV1, load_flow_v1
 from .hift import HiFTGraphV1, load_hift_v1
 from .llm import TextEncoderGraph, TransformerLMGraph, embedding_tables_v1, load_llm_v1

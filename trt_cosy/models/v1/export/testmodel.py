@@ -14,14 +14,14 @@ from typing import Final
 import numpy as np
 import torch
 
-from ....models.v1.config import v1_config_from_release_dir
-from ....models.v1.tokenizer import V1_TOKENIZER_FILE, whisper_specials
-from ...testmodel.parts import write_checkpoints
-from ...testmodel.standin_onnx import (
+from ....builder.testmodel.parts import write_checkpoints
+from ....builder.testmodel.standin_onnx import (
     write_standin_campplus,
     write_standin_speech_tokenizer_v1,
 )
-from ...testmodel.tiktoken_writer import write_test_ranks
+from ....builder.testmodel.tiktoken_writer import write_test_ranks
+from ..config import v1_config_from_release_dir
+from ..tokenizer import V1_TOKENIZER_FILE, whisper_specials
 from .flow import MaskedDiffWithXvecV1
 from .hift import build_hift_v1
 from .llm import TransformerLMV1

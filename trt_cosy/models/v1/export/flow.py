@@ -21,16 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ....config import EstimatorConfig
-from ....errors import ModelDirError
-from ....models.v1.config import V1FlowConfig
-from ...checkpoint import load_strict, read_state_dict
-from ...modules.flow_estimator import (
+from ....builder.checkpoint import load_strict, read_state_dict
+from ....builder.modules.flow_estimator import (
     TransformerBlock,
     _TimeMLP,
     estimator_attention_bias,
     sinusoidal_embedding,
 )
+from ....config import EstimatorConfig
+from ....errors import ModelDirError
+from ..config import V1FlowConfig
 from .llm import ConformerEncoder
 
 __all__ = [

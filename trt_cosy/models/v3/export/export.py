@@ -15,10 +15,10 @@ from typing import Final
 import numpy as np
 from torch.export import Dim
 
-from ....models.v3 import graphs as graphs_v3
-from ....models.v3.config import V3ModelConfig
+from ....builder.export import ExportResult, GraphPlan, Progress, export_graph, graph_export_plan
 from ....runtime.model import LoadedModel
-from ...export import ExportResult, GraphPlan, Progress, export_graph, graph_export_plan
+from .. import graphs as graphs_v3
+from ..config import V3ModelConfig
 
 __all__ = ["V3_TOLERANCES", "v3_graph_export_plan", "export_model_v3"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ....models.registry import FAMILIES
+from ....builder.build_family import BuildFamily
+from ....builder.export import ExportResult, GraphPlan, Progress, export_model, graph_export_plan
 from ....runtime.model import LoadedModel
-from ...export import ExportResult, GraphPlan, Progress, export_model, graph_export_plan
-from ..family import BuildFamily
+from ...registry import FAMILIES
 from .reference import load_torch_model_v2
 from .testmodel import write_release_v2
 

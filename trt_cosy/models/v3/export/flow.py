@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....models.v3.config import PreLookaheadConfig, V3FlowConfig
-from ...checkpoint import load_strict, read_state_dict
-from ...modules.flow import EstimatorGraph
-from ...modules.flow_encoder import PreLookaheadLayer
+from ....builder.checkpoint import load_strict, read_state_dict
+from ....builder.modules.flow import EstimatorGraph
+from ....builder.modules.flow_encoder import PreLookaheadLayer
+from ..config import PreLookaheadConfig, V3FlowConfig
 from .dit import DiT
 
 __all__ = ["CosyVoice3Flow", "V3PreLookaheadLayer", "V3FlowEncoderGraph", "EstimatorGraph", "load_flow_v3"]

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ....models.v2.config import v2_config_from_release_dir
-from ...modules.flow import CosyVoice2Flow
-from ...modules.hift import HiFTGenerator
-from ...modules.llm import CosyVoice2LM
-from ...testmodel.parts import write_checkpoints, write_qwen_dir
-from ...testmodel.standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
+from ....builder.modules.flow import CosyVoice2Flow
+from ....builder.modules.hift import HiFTGenerator
+from ....builder.modules.llm import CosyVoice2LM
+from ....builder.testmodel.parts import write_checkpoints, write_qwen_dir
+from ....builder.testmodel.standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
+from ..config import v2_config_from_release_dir
 from .yaml_template import FULL_SIZES, TINY_SIZES, render_cosyvoice2_yaml
 
 __all__ = ["write_release_v2"]

@@ -2,7 +2,7 @@
 
 Each family has one subclass, ``trt_cosy/builder/models/<name>/family.py``, holding the torch reference
 loader, the export plans and exporter of the family's graph set, the host data only it writes and
-its random test-model writer; ``trt_cosy.builder.models.registry`` maps a release directory or a
+its random test-model writer; ``trt_cosy.builder.registry`` maps a release directory or a
 model config to it. Torch is imported only under ``trt_cosy/builder/``.
 """
 
@@ -12,9 +12,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ...models.family import Family
-from ...runtime.model import LoadedModel
-from ..export import ExportResult, GraphPlan, Progress
+from ..models.family import Family
+from ..runtime.model import LoadedModel
+from .export import ExportResult, GraphPlan, Progress
 
 __all__ = ["BuildFamily"]
 

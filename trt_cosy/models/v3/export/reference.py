@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ....models.v3 import graphs as graphs_v3
-from ....models.v3.config import V3ModelConfig, v3_config_from_release_dir
+from ....builder.noise import NOISE_FRAMES, NOISE_SEED, official_flow_noise
+from ....builder.torch_runner import TorchRunner
 from ....runtime.model import LoadedModel
-from ...noise import NOISE_FRAMES, NOISE_SEED, official_flow_noise
-from ...torch_runner import TorchRunner
+from .. import graphs as graphs_v3
+from ..config import V3ModelConfig, v3_config_from_release_dir
 from .causal_hift import CausalHiFTGraph, load_causal_hift
 from .flow import EstimatorGraph, V3FlowEncoderGraph, load_flow_v3
 from .llm import LLMGraph, embedding_tables_v3, load_llm_v3

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ....models.registry import FAMILIES
-from ....models.v3.config import V3ModelConfig
+from ....builder.build_family import BuildFamily
+from ....builder.export import ExportResult, GraphPlan, Progress
 from ....runtime.model import LoadedModel
 from ....runtime.profiles import ProfileLimits
-from ...export import ExportResult, GraphPlan, Progress
-from ..family import BuildFamily
+from ...registry import FAMILIES
+from ..config import V3ModelConfig
 from .export import export_model_v3, v3_graph_export_plan
 from .reference import load_torch_model_v3
 from .testmodel import write_release_v3

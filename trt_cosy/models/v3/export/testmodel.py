@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ....models.v3.config import v3_config_from_release_dir
-from ...testmodel.parts import write_checkpoints, write_qwen_dir
-from ...testmodel.standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
+from ....builder.testmodel.parts import write_checkpoints, write_qwen_dir
+from ....builder.testmodel.standin_onnx import write_standin_campplus, write_standin_speech_tokenizer
+from ..config import v3_config_from_release_dir
 from .causal_hift import CausalHiFTGenerator
 from .flow import CosyVoice3Flow
 from .llm import CosyVoice3LM

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
+from ....builder.checkpoint import load_strict, read_state_dict
+from ....builder.modules.llm import LLMGraph
+from ....builder.modules.qwen2 import Qwen2Encoder
 from ....config import LLMConfig
-from ....models.v3.config import V3_SOS_OFFSET, V3_TASK_OFFSET
-from ...checkpoint import load_strict, read_state_dict
-from ...modules.llm import LLMGraph
-from ...modules.qwen2 import Qwen2Encoder
+from ..config import V3_SOS_OFFSET, V3_TASK_OFFSET
 
 __all__ = ["CosyVoice3LM", "load_llm_v3", "embedding_tables_v3", "LLMGraph"]
 
