@@ -12,7 +12,13 @@ from _isolated import ChildCrashed, run_isolated
 
 from trt_cosy.errors import NativeCrashError, TrtCosyError
 from trt_cosy.runtime import native_guard
-from trt_cosy.runtime.native_guard import CompileChecks, checked_compile, machine, run_in_child
+from trt_cosy.runtime.native_guard import (
+    CompileChecks,
+    checked_compile,
+    machine,
+    run_each_in_child,
+    run_in_child,
+)
 
 CRASH = "_crashing_compile:compile_or_crash"
 
@@ -28,6 +34,15 @@ def test_a_child_killed_by_sigfpe_is_reported_with_its_signal():
     outcome = run_in_child("_crashing_compile:die_by_sigfpe", {})
     assert outcome.crashed and not outcome.ok
     assert (outcome.signal, outcome.returncode) == ("SIGFPE", -int(signal.SIGFPE))
+
+
+def test_one_child_runs_many_and_stops_at_the_crash(monkeypatch):
+    monkeypatch.setenv("TRT_COSY_TEST_CRASH", "b")
+    payloads = [{"name": name} for name in ("a", "b", "c")]
+    done, outcome = run_each_in_child("_crashing_compile:nothing_or_crash", payloads)
+    assert (done, outcome.signal) == (1, "SIGFPE")  # "a" finished, "b" crashed, "c" never ran
+    done, outcome = run_each_in_child("_crashing_compile:nothing_or_crash", payloads[2:])
+    assert (done, outcome.ok) == (1, True)
 
 
 def test_a_child_that_raises_is_an_ordinary_failure_not_a_crash():

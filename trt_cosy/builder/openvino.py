@@ -121,52 +121,49 @@ def check_graph_compiles(
     ]
     planned = graph_precisions(precision, tuple(names))
     bf16 = cpu_has_bf16()
+    threads = default_threads()
     checked: dict[str, GraphRecord] = dict(records)
-    computes: dict[str, str] = {}
-    for name in names:
-        compute = planned[name] if bf16 else "fp32"  # OvRunner computes bf16 graphs in fp32 there
-        path = Path(directory) / records[name].file
-        start = time.perf_counter()
-        outcome = _compile_in_child(COMPILE_CHECK_TARGET, path, name, compute)
-        reason = None
-        if outcome.crashed and compute != "fp32":
-            reason = (
-                f"OpenVINO {version} crashed ({outcome.signal}) compiling it in {compute} on "
-                f"{here.describe()}; it computes in fp32"
-            )
-            _LOGGER.warning("graph '%s': %s", name, reason)
-            compute = "fp32"
-            outcome = _compile_in_child(COMPILE_CHECK_TARGET, path, name, compute)
-        if outcome.crashed:
+    computes = {name: planned[name] if bf16 else "fp32" for name in names}  # bf16 runs fp32 without kernels
+
+    def payload(name: str) -> dict[str, Any]:
+        return {"path": str(Path(directory) / records[name].file), "name": name, "compute": computes[name],
+                "threads": threads}  # fmt: skip
+
+    start = time.perf_counter()
+    pending = list(names)
+    while pending:  # one child compiles them in order; after a crash, a new one goes on past that graph
+        done, outcome = native_guard.run_each_in_child(COMPILE_CHECK_TARGET, [payload(n) for n in pending])
+        if outcome.ok:
+            break
+        name = pending[done]
+        if not outcome.crashed:
+            raise BuildError(f"OpenVINO could not compile graph '{name}':\n{outcome.detail}")
+        if computes[name] == "fp32":
             raise BuildError(
                 f"OpenVINO {version} crashed ({outcome.signal}) compiling graph '{name}' in fp32 on "
                 f"{here.describe()}. Build ONNX Runtime engines on this machine instead: "
                 "`trt-cosy build --backend onnxruntime ...`."
             )
-        if not outcome.ok:
-            raise BuildError(f"OpenVINO could not compile graph '{name}' ({path}):\n{outcome.detail}")
-        computes[name] = compute
-        if reason is not None:
-            checked[name] = dataclasses.replace(records[name], compute=compute, compute_reason=reason)
+        reason = (
+            f"OpenVINO {version} crashed ({outcome.signal}) compiling it in {computes[name]} on "
+            f"{here.describe()}; it computes in fp32"
+        )
+        _LOGGER.warning("graph '%s': %s", name, reason)
+        computes[name] = "fp32"
+        checked[name] = dataclasses.replace(records[name], compute="fp32", compute_reason=reason)
         if progress is not None:
-            note = f" (fallback: {reason})" if reason else ""
-            progress(f"{name}: compiles in {compute} ({time.perf_counter() - start:.1f} s){note}")
+            progress(f"{name}: falls back to fp32 ({reason})")
+        pending = pending[done:]  # the crashed graph again, now in fp32, then the rest
+    if progress is not None and names:
+        progress(f"{len(names)} OpenVINO graphs compile here ({time.perf_counter() - start:.1f} s, in a child process)")
     record = {
         "machine": here.key,
         "cpu": here.describe(),
         "backend_version": version,
-        "threads": default_threads(),
+        "threads": threads,
         "graphs": computes,
     }
     return checked, record
-
-
-def _compile_in_child(target: str, path: Path, name: str, compute: str) -> Any:
-    from ..runtime.native_guard import run_in_child
-    from ..runtime.ort import default_threads
-
-    payload = {"path": str(path), "name": name, "compute": compute, "threads": default_threads()}
-    return run_in_child(target, payload)
 
 
 def _weight_matmuls(model: Any) -> list[tuple[Any, Any]]:

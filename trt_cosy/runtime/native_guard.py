@@ -46,6 +46,7 @@ __all__ = [
     "Machine",
     "machine",
     "run_in_child",
+    "run_each_in_child",
     "file_identity",
     "checked_compile",
     "crash_message",
@@ -58,6 +59,8 @@ CHILD_TIMEOUT_S: Final = 900.0  # a full-size graph compiles in seconds; a loade
 # The ISA flags that decide which native kernels a backend picks (what a crash depends on).
 _ISA_FLAG: Final = re.compile(r"^(avx|amx|fma|f16c|sse4|vnni|bf16)")
 _STDERR_TAIL: Final = 1200  # characters of a failed child's stderr kept in the message
+_EACH: Final = "@each"  # target suffix: run the function once per payload of a list (run_each_in_child)
+_DONE_LINE: Final = "trt-cosy-child-done\n"  # printed (and flushed) by the child after each payload
 _checked: dict[str, bool] = {}  # key -> compiled in a child (True) / crashed (False), this process
 _CHECK_LOCK: Final = threading.Lock()
 
@@ -110,6 +113,7 @@ class ChildOutcome:
     returncode: int
     signal: str | None = None
     detail: str = ""
+    stdout: str = ""
 
     @property
     def crashed(self) -> bool:
@@ -138,11 +142,24 @@ def run_in_child(target: str, payload: Mapping[str, Any], timeout: float = CHILD
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-_STDERR_TAIL:]
         detail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        return ChildOutcome(False, -int(signal.SIGKILL), "SIGKILL", f"timed out after {timeout:.0f} s; {detail}")
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return ChildOutcome(
+            False, -int(signal.SIGKILL), "SIGKILL", f"timed out after {timeout:.0f} s; {detail}", out
+        )
     detail = (done.stderr or "")[-_STDERR_TAIL:]
     if done.returncode < 0:
-        return ChildOutcome(False, done.returncode, _signal_name(-done.returncode), detail)
-    return ChildOutcome(done.returncode == 0, done.returncode, None, detail)
+        return ChildOutcome(False, done.returncode, _signal_name(-done.returncode), detail, done.stdout or "")
+    return ChildOutcome(done.returncode == 0, done.returncode, None, detail, done.stdout or "")
+
+
+def run_each_in_child(
+    target: str, payloads: list[Mapping[str, Any]], timeout: float = CHILD_TIMEOUT_S
+) -> tuple[int, ChildOutcome]:
+    """Run ``target(**payload)`` for each payload in order, in one child process; return how many
+    finished and how the child ended. A crash stops the child at ``payloads[finished]``: the caller
+    decides what to do with that one and runs the rest in a new child."""
+    outcome = run_in_child(f"{target}{_EACH}", {"payloads": [dict(payload) for payload in payloads]}, timeout)
+    return outcome.stdout.count(_DONE_LINE), outcome
 
 
 def _signal_name(number: int) -> str:
@@ -247,9 +264,15 @@ def checked_compile(
 
 def _main(argv: list[str]) -> int:
     """The child: run ``argv[0]`` (``module:function``) with the JSON object on stdin as keywords."""
-    module_name, _, function_name = argv[0].partition(":")
+    target = argv[0]
+    each = target.endswith(_EACH)
+    module_name, _, function_name = target.removesuffix(_EACH).partition(":")
     function = getattr(importlib.import_module(module_name), function_name)
-    function(**json.loads(sys.stdin.read() or "{}"))
+    arguments = json.loads(sys.stdin.read() or "{}")
+    for payload in arguments["payloads"] if each else [arguments]:
+        function(**payload)
+        sys.stdout.write(_DONE_LINE)
+        sys.stdout.flush()
     return 0
 
 
