@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from ....builder.testmodel.yaml_parts import CFM_PARAMS, HIFT_ISTFT, HIFT_SOURCE, RAS_SAMPLING, SEEDS
+
 __all__ = ["V1YamlSizes", "V1_TINY_SIZES", "V1_FULL_SIZES", "render_cosyvoice_yaml"]
 
 
@@ -47,14 +49,13 @@ V1_FULL_SIZES: Final = V1YamlSizes(
     51866, 512, 1024, 16, 4096, 6, 16, 4096, 14, 512, 512, 8, 2048, 6, 256, 64, 4, 12, 8, 512, 512
 )
 
-_TEMPLATE: Final = """\
+_TEMPLATE: Final = (
+    """\
 # Random-weight test model written by `trt-cosy make-test-model --family v1` ({size_name}).
 # Structure and tags follow the released CosyVoice-300M cosyvoice.yaml; weights are random.
-__set_seed1: !apply:random.seed [1986]
-__set_seed2: !apply:numpy.random.seed [1986]
-__set_seed3: !apply:torch.manual_seed [1986]
-__set_seed4: !apply:torch.cuda.manual_seed_all [1986]
-
+"""
+    + SEEDS
+    + """
 sample_rate: 22050
 text_encoder_input_size: {s.text_embed}
 llm_input_size: {s.llm_size}
@@ -101,12 +102,9 @@ llm: !new:cosyvoice.llm.llm.TransformerLM
         pos_enc_layer_type: 'rel_pos_espnet'
         selfattention_layer_type: 'rel_selfattn'
         static_chunk_size: 1
-    sampling: !name:cosyvoice.utils.common.ras_sampling
-        top_p: 0.8
-        top_k: 25
-        win_size: 10
-        tau_r: 0.1
-
+"""
+    + RAS_SAMPLING
+    + """
 flow: !new:cosyvoice.flow.flow.MaskedDiffWithXvec
     input_size: {s.flow_input}
     output_size: 80
@@ -134,17 +132,9 @@ flow: !new:cosyvoice.flow.flow.MaskedDiffWithXvec
         channels: 80
         sampling_ratios: [1, 1, 1, 1]
     decoder: !new:cosyvoice.flow.flow_matching.ConditionalCFM
-        in_channels: 240
-        n_spks: 1
-        spk_emb_dim: 80
-        cfm_params: !new:omegaconf.DictConfig
-            content:
-                sigma_min: 1e-06
-                solver: 'euler'
-                t_scheduler: 'cosine'
-                training_cfg_rate: 0.2
-                inference_cfg_rate: 0.7
-                reg_loss_type: 'l1'
+"""
+    + CFM_PARAMS
+    + """\
         estimator: !new:cosyvoice.flow.decoder.ConditionalDecoder
             in_channels: 320
             out_channels: 80
@@ -157,20 +147,14 @@ flow: !new:cosyvoice.flow.flow.MaskedDiffWithXvec
             act_fn: 'gelu'
 
 hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
-    in_channels: 80
-    base_channels: {s.hift_channels}
-    nb_harmonics: 8
-    sampling_rate: !ref <sample_rate>
-    nsf_alpha: 0.1
-    nsf_sigma: 0.003
-    nsf_voiced_threshold: 10
+"""
+    + HIFT_SOURCE
+    + """\
     upsample_rates: [8, 8]
     upsample_kernel_sizes: [16, 16]
-    istft_params:
-        n_fft: 16
-        hop_len: 4
-    resblock_kernel_sizes: [3, 7, 11]
-    resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+"""
+    + HIFT_ISTFT
+    + """\
     source_resblock_kernel_sizes: [7, 11]
     source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5]]
     lrelu_slope: 0.1
@@ -197,6 +181,7 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
     fmax: 8000
     center: False
 """
+)
 
 
 def render_cosyvoice_yaml(sizes: V1YamlSizes, size_name: str) -> str:

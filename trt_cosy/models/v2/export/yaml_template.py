@@ -10,6 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from ....builder.testmodel.yaml_parts import (
+    CFM_PARAMS,
+    FEAT_24K,
+    FLOW_TOKENS,
+    HIFT_ISTFT,
+    HIFT_SOURCE,
+    QWEN_HEADER,
+    QWEN_LLM,
+    RAS_SAMPLING,
+    SEEDS,
+)
+
 __all__ = ["YamlSizes", "TINY_SIZES", "FULL_SIZES", "render_cosyvoice2_yaml"]
 
 
@@ -34,49 +46,26 @@ TINY_SIZES: Final = YamlSizes(64, 64, 2, 128, 2, 64, 32, 1, 2, 2, 64, 64)
 # The released CosyVoice2-0.5B sizes.
 FULL_SIZES: Final = YamlSizes(896, 512, 8, 2048, 6, 256, 64, 4, 12, 8, 512, 512)
 
-_TEMPLATE: Final = """\
+_TEMPLATE: Final = (
+    """\
 # Random-weight test model written by `trt-cosy make-test-model` ({size_name}).
 # Structure and tags follow the released CosyVoice2-0.5B cosyvoice2.yaml; weights are random.
-__set_seed1: !apply:random.seed [1986]
-__set_seed2: !apply:numpy.random.seed [1986]
-__set_seed3: !apply:torch.manual_seed [1986]
-__set_seed4: !apply:torch.cuda.manual_seed_all [1986]
-
-sample_rate: 24000
-llm_input_size: {s.llm_size}
-llm_output_size: {s.llm_size}
-spk_embed_dim: 192
-qwen_pretrain_path: ''
-token_frame_rate: 25
-token_mel_ratio: 2
-chunk_size: 25
-num_decoding_left_chunks: -1
-
+"""
+    + SEEDS
+    + """
+"""
+    + QWEN_HEADER
+    + """
 llm: !new:cosyvoice.llm.llm.Qwen2LM
-    llm_input_size: !ref <llm_input_size>
-    llm_output_size: !ref <llm_output_size>
-    speech_token_size: 6561
-    length_normalized_loss: True
-    lsm_weight: 0
-    mix_ratio: [5, 15]
-    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
-        pretrain_path: !ref <qwen_pretrain_path>
-    sampling: !name:cosyvoice.utils.common.ras_sampling
-        top_p: 0.8
-        top_k: 25
-        win_size: 10
-        tau_r: 0.1
-
+"""
+    + QWEN_LLM
+    + RAS_SAMPLING
+    + """
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
     input_size: {s.flow_width}
-    output_size: 80
-    spk_embed_dim: !ref <spk_embed_dim>
-    output_type: 'mel'
-    vocab_size: 6561
-    input_frame_rate: !ref <token_frame_rate>
-    only_mask_loss: True
-    token_mel_ratio: !ref <token_mel_ratio>
-    pre_lookahead_len: 3
+"""
+    + FLOW_TOKENS
+    + """\
     encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
         output_size: {s.flow_width}
         attention_heads: {s.encoder_heads}
@@ -94,17 +83,9 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
         macaron_style: False
         static_chunk_size: !ref <chunk_size>
     decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
-        in_channels: 240
-        n_spks: 1
-        spk_emb_dim: 80
-        cfm_params: !new:omegaconf.DictConfig
-            content:
-                sigma_min: 1e-06
-                solver: 'euler'
-                t_scheduler: 'cosine'
-                training_cfg_rate: 0.2
-                inference_cfg_rate: 0.7
-                reg_loss_type: 'l1'
+"""
+    + CFM_PARAMS
+    + """\
         estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
             in_channels: 320
             out_channels: 80
@@ -119,20 +100,14 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
             num_decoding_left_chunks: !ref <num_decoding_left_chunks>
 
 hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
-    in_channels: 80
-    base_channels: {s.hift_channels}
-    nb_harmonics: 8
-    sampling_rate: !ref <sample_rate>
-    nsf_alpha: 0.1
-    nsf_sigma: 0.003
-    nsf_voiced_threshold: 10
+"""
+    + HIFT_SOURCE
+    + """\
     upsample_rates: [8, 5, 3]
     upsample_kernel_sizes: [16, 11, 7]
-    istft_params:
-        n_fft: 16
-        hop_len: 4
-    resblock_kernel_sizes: [3, 7, 11]
-    resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+"""
+    + HIFT_ISTFT
+    + """\
     source_resblock_kernel_sizes: [7, 7, 11]
     source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
     lrelu_slope: 0.1
@@ -146,16 +121,13 @@ get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
     token_path: !ref <qwen_pretrain_path>
     skip_special_tokens: True
 allowed_special: 'all'
-feat_extractor: !name:matcha.utils.audio.mel_spectrogram
-    n_fft: 1920
-    num_mels: 80
-    sampling_rate: !ref <sample_rate>
-    hop_size: 480
-    win_size: 1920
-    fmin: 0
+"""
+    + FEAT_24K
+    + """\
     fmax: 8000
     center: False
 """
+)
 
 
 def render_cosyvoice2_yaml(sizes: YamlSizes, size_name: str) -> str:
