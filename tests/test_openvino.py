@@ -212,8 +212,8 @@ def test_a_native_crash_at_compile_falls_back_at_build_and_is_a_clear_error_at_l
     real_child = native_guard.run_in_child
     monkeypatch.setattr(native_guard, "run_in_child", lambda *a, **k: pytest.fail("checked again"))
     model = load_engines(engines, threads=1, backend="openvino", lazy_graphs=())
-    assert model.runners["llm"].inference_precision == "f32"
-    assert model.runners["flow_estimator"].inference_precision == "bf16"
+    assert "float32" in model.runners["llm"].inference_precision
+    assert "bfloat16" in model.runners["flow_estimator"].inference_precision
     # Engines built elsewhere (no record, no fallback): the load's check crashes in its child.
     raw = manifest.to_dict()
     del raw["compile_check"]

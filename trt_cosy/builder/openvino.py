@@ -121,46 +121,50 @@ def check_graph_compiles(
     ]
     planned = graph_precisions(precision, tuple(names))
     bf16 = cpu_has_bf16()
-    threads = default_threads()
+    # The crash depends on the thread count too (the tiny CosyVoice2 LLM in bf16 on Intel AMX: SIGFPE with 1
+    # thread, compiles with 2): check with one thread (servers' pinned workers, tests) and the default.
+    thread_counts = sorted({1, default_threads()})
     checked: dict[str, GraphRecord] = dict(records)
     computes = {name: planned[name] if bf16 else "fp32" for name in names}  # bf16 runs fp32 without kernels
 
-    def payload(name: str) -> dict[str, Any]:
+    def payload(item: tuple[str, int]) -> dict[str, Any]:
+        name, threads = item
         return {"path": str(Path(directory) / records[name].file), "name": name, "compute": computes[name],
                 "threads": threads}  # fmt: skip
 
     start = time.perf_counter()
-    pending = list(names)
-    while pending:  # one child compiles them in order; after a crash, a new one goes on past that graph
-        done, outcome = native_guard.run_each_in_child(COMPILE_CHECK_TARGET, [payload(n) for n in pending])
+    pending = [(name, threads) for name in names for threads in thread_counts]
+    while pending:  # one child compiles them in order; after a crash, a new one goes on from that graph
+        done, outcome = native_guard.run_each_in_child(COMPILE_CHECK_TARGET, [payload(item) for item in pending])
         if outcome.ok:
             break
-        name = pending[done]
+        name, threads = pending[done]
         if not outcome.crashed:
             raise BuildError(f"OpenVINO could not compile graph '{name}':\n{outcome.detail}")
         if computes[name] == "fp32":
             raise BuildError(
-                f"OpenVINO {version} crashed ({outcome.signal}) compiling graph '{name}' in fp32 on "
-                f"{here.describe()}. Build ONNX Runtime engines on this machine instead: "
-                "`trt-cosy build --backend onnxruntime ...`."
+                f"OpenVINO {version} crashed ({outcome.signal}) compiling graph '{name}' in fp32 with "
+                f"{threads} thread(s) on {here.describe()}. Build ONNX Runtime engines on this machine "
+                "instead: `trt-cosy build --backend onnxruntime ...`."
             )
         reason = (
-            f"OpenVINO {version} crashed ({outcome.signal}) compiling it in {computes[name]} on "
-            f"{here.describe()}; it computes in fp32"
+            f"OpenVINO {version} crashed ({outcome.signal}) compiling it in {computes[name]} with {threads} "
+            f"thread(s) on {here.describe()}; it computes in fp32"
         )
         _LOGGER.warning("graph '%s': %s", name, reason)
         computes[name] = "fp32"
         checked[name] = dataclasses.replace(records[name], compute="fp32", compute_reason=reason)
         if progress is not None:
             progress(f"{name}: falls back to fp32 ({reason})")
-        pending = pending[done:]  # the crashed graph again, now in fp32, then the rest
+        rest = [item for item in pending[done:] if item[0] != name]
+        pending = [(name, count) for count in thread_counts] + rest  # that graph again in fp32, then the rest
     if progress is not None and names:
         progress(f"{len(names)} OpenVINO graphs compile here ({time.perf_counter() - start:.1f} s, in a child process)")
     record = {
         "machine": here.key,
         "cpu": here.describe(),
         "backend_version": version,
-        "threads": threads,
+        "threads": thread_counts,
         "graphs": computes,
     }
     return checked, record

@@ -22,7 +22,7 @@ from . import graphs
 from .base import Runner
 from .manifest import Manifest, model_config_from_dict
 from .model import LoadedModel
-from .ort import LazyOrtRunner, OrtRunner
+from .ort import LazyOrtRunner, OrtRunner, default_threads
 
 __all__ = [
     "load_engines",
@@ -186,7 +186,7 @@ def _openvino_opener(manifest: Manifest, names: list[str], threads: int | None):
     computes = graph_precisions(manifest.precision, tuple(names))
     computes.update({name: manifest.graphs[name].compute for name in names if manifest.graphs[name].compute})
     ov = load_openvino()
-    trusted = trusted_compiles(manifest, ov.get_version())
+    trusted = trusted_compiles(manifest, ov.get_version(), default_threads() if threads is None else threads)
     core = ov.Core()
     compiled_model_cache(core)  # a later process loads the compiled graphs instead of compiling
 
@@ -199,24 +199,31 @@ def _openvino_opener(manifest: Manifest, names: list[str], threads: int | None):
     return open_graph
 
 
-def trusted_compiles(manifest: Manifest, backend_version: str) -> dict[str, str]:
+def trusted_compiles(manifest: Manifest, backend_version: str, threads: int) -> dict[str, str]:
     """``{graph: compute}`` that the build compiled in a child process on a machine with this CPU
-    signature and this library version (``Manifest.compile_check``); empty elsewhere, and a line in
-    the log says that the first load here checks each graph in a child first."""
+    signature and this library version with ``threads`` threads (``Manifest.compile_check``); empty
+    elsewhere (a native crash can depend on each: the tiny CosyVoice2 LLM in bf16 crashes OpenVINO on
+    Intel AMX with one thread, not with two), and a line in the log says that the first load here checks
+    each graph in a child first."""
     from .native_guard import machine
 
     record = manifest.compile_check or {}
     here = machine()
-    if record.get("machine") == here.key and record.get("backend_version") == backend_version:
+    checked_threads = record.get("threads", [])
+    checked_threads = checked_threads if isinstance(checked_threads, list) else [checked_threads]
+    same = record.get("machine") == here.key and record.get("backend_version") == backend_version
+    if same and int(threads) in {int(count) for count in checked_threads}:
         return {str(name): str(compute) for name, compute in dict(record.get("graphs", {})).items()}
     if record:
         _LOGGER.info(
-            "these engines were compile-checked on %s with %s; this machine is %s with %s: each graph is "
-            "compiled in a child process first, once",
+            "these engines were compile-checked on %s with %s and %s thread(s); this is %s with %s and %d "
+            "thread(s): each graph is compiled in a child process first, once",
             record.get("cpu", "another CPU"),
             record.get("backend_version", "another version"),
+            checked_threads,
             here.describe(),
             backend_version,
+            threads,
         )
     return {}
 
