@@ -37,7 +37,8 @@ from _server_support import (  # noqa: E402
 )
 from _support import reference_wavs, tiny_engines  # noqa: E402
 
-from trt_cosy import AudioChunk, CosyVoice, EngineConfig  # noqa: E402
+from trt_cosy import AudioChunk, CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
+from trt_cosy.server.voices_store import VoiceStore  # noqa: E402
 
 OPENAI_HEADERS = {  # what the OpenAI Python client sends besides its platform headers
     "Authorization": "Bearer sk-unused",
@@ -129,9 +130,10 @@ def test_same_seed_same_audio_and_every_format_decodes(served):
 
 @pytest.mark.slow
 def test_streaming_sends_audio_before_the_synthesis_ends(served, monkeypatch):
-    url, recording, _ = served
+    url, recording, voices_dir = served
     first_bytes = threading.Event()
-    held = hold_last_chunk_until(recording, monkeypatch, first_bytes)
+    seed = multi_chunk_seed(recording.tts, LONG_INPUT, voices_dir)
+    held = hold_last_chunk_until(recording, monkeypatch, first_bytes, seed)
     body = {
         "model": "tts-1",
         "input": LONG_INPUT,
@@ -212,16 +214,18 @@ def test_openai_python_client_streaming_and_not(served):
 
 
 @pytest.mark.slow
-def hold_last_chunk_until(recording, monkeypatch, event: threading.Event) -> dict:
+def hold_last_chunk_until(recording, monkeypatch, event: threading.Event, seed: int | None = None) -> dict:
     """Make ``recording`` hold each request's last chunk until ``event`` is set (at most 20 s); the
     returned dict gets ``client_had_bytes`` (whether it was set in time). A server that did not stream
     could deliver nothing before the end, so the hold times out: streaming is shown without a race."""
     held: dict = {}
     synthesize = recording.synthesize
 
+    default_seed = seed
+
     def holding_last_chunk(text, voice, seed=None, config=None):
-        if seed is None:  # the client sent none: a seed whose speech streams in several chunks
-            seed = _multi_chunk_seed(recording.tts, text, voice, config)
+        if seed is None:  # the client sent none: ``default_seed`` (one whose speech streams in chunks)
+            seed = default_seed
         chunks = synthesize(text, voice, seed, config)
 
         def hold() -> Iterator[AudioChunk]:
@@ -239,15 +243,19 @@ def hold_last_chunk_until(recording, monkeypatch, event: threading.Event) -> dic
     return held
 
 
-def _multi_chunk_seed(tts, text, voice, config) -> int:
-    """The first seed for which ``text`` streams in at least two chunks on these engines.
+def multi_chunk_seed(tts, text: str, voices_dir, voice_name: str = "alice") -> int:
+    """The first seed for which ``text`` in the stored voice streams in at least two chunks on these engines.
 
     The random tiny LLM may sample a stop token (6562/6563, which stop before the minimum length, as in the
     official code) within the first chunk's tokens in about 1.5 % of unseeded requests; that request then
     has one chunk, and a test that holds the last chunk until the client has bytes cannot tell streaming
-    from not. Choosing the seed makes the engine's output fixed and the precondition checked, not hoped."""
+    from not. Choosing the seed (here, in the test, before the request) makes the engine's output fixed and
+    the precondition checked, not hoped."""
+    store = VoiceStore(voices_dir, tts.model_id)
+    store.load()
+    voice = store.get(voice_name).voice
     for seed in range(20):
-        if sum(1 for _ in tts.synthesize(text, voice, seed, config)) >= 2:
+        if sum(1 for _ in tts.synthesize(text, voice, seed, SynthesisConfig(stream=True))) >= 2:
             return seed
     raise AssertionError(f"no seed in 0..19 streams {text!r} in two chunks")
 
@@ -267,9 +275,10 @@ def test_openai_python_client_streams_pcm_by_default(served, monkeypatch):
     The engine holds its last chunk until the client has received bytes (at most 20 s): a server that
     did not stream could deliver nothing before the end, so the hold would time out. No timing race."""
     openai = pytest.importorskip("openai")
-    url, recording, _ = served
+    url, recording, voices_dir = served
     first_bytes = threading.Event()
-    held = hold_last_chunk_until(recording, monkeypatch, first_bytes)
+    seed = multi_chunk_seed(recording.tts, LONG_INPUT, voices_dir)
+    held = hold_last_chunk_until(recording, monkeypatch, first_bytes, seed)
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-unused", max_retries=0, timeout=60)
     pieces = []
     with client.audio.speech.with_streaming_response.create(
