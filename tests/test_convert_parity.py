@@ -6,7 +6,8 @@ Both halves have official golden data already (tests/data, made by the official 
 golden README):
 
 * the model half: every ``reference.npz`` (CosyVoice 1, 2, 3) was made *through* the official
-  ``tts(source_speech_token=...)`` — the VC entry point (``vc_job``) — streamed and not (§2.3, §7.5, §8.3).
+  ``tts(source_speech_token=...)`` — the VC entry point (``vc_job``) — streamed and not (§2.3, §7.5,
+  §8.3).
   Here the same tokens go through ``convert`` (a source ``Voice`` carries them), with the golden
   prompt and the official random draws injected; the chunk plans must be the official ones and the
   audio within the golden waveform tolerance (1e-3).
@@ -31,7 +32,11 @@ pytest.importorskip("torch", reason="needs the [build] extra (torch) to build th
 MEL_TOLERANCE = 2e-4  # golden README §3 / §7.6 / §8.4: flow mel
 WAV_TOLERANCE = 1e-3  # golden README §3 / §7.6 / §8.4: waveforms
 FEATURES = Path(__file__).parent / "data" / "features"
-RUNS = {"v1": ("nonstream", "stream"), "v2": ("nonstream", "stream", "streampad"), "v3": ("nonstream", "stream", "streampad")}
+RUNS = {
+    "v1": ("nonstream", "stream"),
+    "v2": ("nonstream", "stream", "streampad"),
+    "v3": ("nonstream", "stream", "streampad"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +110,8 @@ def test_convert_reproduces_the_official_vc_model_path(engines, family, run, mon
     assert [plan.end - plan.offset if family == "v1" else plan.end for plan in plans] == [
         chunk["n_tokens_to_flow"] for chunk in official
     ]
-    assert [plan.final for plan in plans] == [chunk.get("finalize", chunk.get("flow_finalize")) for chunk in official]
+    finals = [chunk.get("finalize", chunk.get("flow_finalize")) for chunk in official]
+    assert [plan.final for plan in plans] == finals
     for index, mel in enumerate(mels):  # golden README §3: flow mel 2e-4
         official_mel = golden[f"{run}_c{index}_flow_mel"]
         assert mel.shape == official_mel.shape

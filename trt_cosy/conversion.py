@@ -117,7 +117,9 @@ def read_source(
 
 def _mono(samples: object, rate: object) -> np.ndarray:
     if not isinstance(rate, (int, np.integer)) or isinstance(rate, bool) or rate < MIN_SOURCE_RATE:
-        raise InputError(f"the source sample rate must be an integer >= {MIN_SOURCE_RATE} Hz, got {rate!r}.")
+        raise InputError(
+            f"the source sample rate must be an integer of at least {MIN_SOURCE_RATE} Hz, got {rate!r}."
+        )
     array = np.asarray(samples)
     if array.dtype == np.int16:
         array = array.astype(np.float32) / np.float32(32768.0)
@@ -137,7 +139,8 @@ def check_source(wav16k: np.ndarray, name: str, max_seconds: float = MAX_SOURCE_
     seconds = wav16k.shape[0] / SOURCE_RATE
     if seconds < MIN_SOURCE_SECONDS:
         raise InputError(
-            f"{name} is {seconds:.2f} s long; voice conversion needs at least {MIN_SOURCE_SECONDS:g} s of speech."
+            f"{name} is {seconds:.2f} s long; voice conversion needs at least {MIN_SOURCE_SECONDS:g} s "
+            "of speech."
         )
     if seconds > max_seconds:
         raise InputError(
@@ -164,7 +167,8 @@ def pause_windows(
     longest = int(max_seconds * SOURCE_RATE) // _CUT_STEP * _CUT_STEP
     shortest = int(min_seconds * SOURCE_RATE)
     frames = total // _ENERGY_FRAME
-    energy = np.square(wav16k[: frames * _ENERGY_FRAME].astype(np.float64)).reshape(frames, -1).mean(axis=1)
+    framed = wav16k[: frames * _ENERGY_FRAME].astype(np.float64).reshape(frames, _ENERGY_FRAME)
+    energy = np.square(framed).mean(axis=1)  # energy: [frames]
     # pause[i]: mean energy of frames [i, i + _PAUSE_FRAMES)
     pause = np.convolve(energy, np.ones(_PAUSE_FRAMES) / _PAUSE_FRAMES, mode="valid")  # [frames - 9]
     windows, start = [], 0
@@ -199,7 +203,8 @@ def vc_voice(builder: VoiceBuilder, path: str | Path) -> Voice:
     tokens = builder.speech_tokens(wav16k)  # tokens: [1, P]
     if tokens.shape[1] == 0:
         raise InputError(f"reference audio {path} gave no speech tokens. Use 3-10 s of clear speech.")
-    mel = flow_prompt_mel(load_audio(path, builder.mel_config.sampling_rate), builder.mel_config)  # [1, T, 80]
+    wav_model = load_audio(path, builder.mel_config.sampling_rate)  # wav_model: [N]
+    mel = flow_prompt_mel(wav_model, builder.mel_config)  # mel: [1, T, 80]
     return Voice(
         prompt_text="",
         prompt_text_ids=np.zeros(0, np.int32),
@@ -226,8 +231,9 @@ def check_vc_voice(voice: object, sample_rate: int, num_mels: int, embed_dim: in
         or (tokens == 0) != (frames == 0)
     ):
         raise InputError(
-            f"the voice does not fit this model ({voice.sample_rate} Hz, embedding {voice.speaker_embedding.shape}, "
-            f"prompt mel {voice.prompt_mel.shape}); make it again with this model."
+            f"the voice does not fit this model ({voice.sample_rate} Hz, embedding "
+            f"{voice.speaker_embedding.shape}, prompt mel {voice.prompt_mel.shape}); make it again with this "
+            "model."
         )
 
 

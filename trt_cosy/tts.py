@@ -443,7 +443,8 @@ class CosyVoice:
             window_s = min(conversion.WINDOW_SECONDS, (budget - 2) / cfg.token_frame_rate)
             if window_s < 1.0:
                 raise InputError("the voice's prompt leaves no room for speech; use a shorter reference.")
-            windows = conversion.pause_windows(wav16k, window_s, min(conversion.MIN_WINDOW_SECONDS, window_s / 2))
+            shortest = min(conversion.MIN_WINDOW_SECONDS, window_s / 2)
+            windows = conversion.pause_windows(wav16k, window_s, shortest)
             segments = conversion.window_segments(windows)
 
             def tokens_of(index: int) -> np.ndarray:
