@@ -30,7 +30,9 @@ def _snr_db(reference: np.ndarray, other: np.ndarray) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engines", required=True)
     parser.add_argument("--source", required=True, help="speech of at most 30 s")
     parser.add_argument("--ref", required=True, help="the target voice's reference")
@@ -48,7 +50,8 @@ def main() -> None:
         chunks = list(tts.convert(args.source, target, seed=0))
     split = np.concatenate([c.samples for c in chunks])
     tokens_whole = tts.voice_builder.speech_tokens(wav16k)[0]
-    tokens_split = np.concatenate([tts.voice_builder.speech_tokens(wav16k[w.start : w.end])[0] for w in windows])
+    pieces = [tts.voice_builder.speech_tokens(wav16k[w.start : w.end])[0] for w in windows]
+    tokens_split = np.concatenate(pieces)
     joins = [w.start / conversion.SOURCE_RATE for w in windows[1:]]
     print(f"source {wav16k.size / conversion.SOURCE_RATE:.2f} s, windows: {[w.label() for w in windows]}")
     print(f"tokens: whole {tokens_whole.size}, split {tokens_split.size}")
@@ -69,7 +72,8 @@ def main() -> None:
     per_window = [_snr_db(whole[a:b], split[a:b]) for a, b in zip(edges[:-1], edges[1:])]
     print("SNR split vs whole per window: " + ", ".join(f"{snr:.1f} dB" for snr in per_window))
     other_seed = np.concatenate([c.samples for c in tts.convert(args.source, target, seed=1)])
-    print(f"baseline, whole with another vocoder seed vs whole: {_snr_db(whole, other_seed[: whole.size]):.1f} dB")
+    baseline = _snr_db(whole, other_seed[: whole.size])
+    print(f"baseline, whole with another vocoder seed vs whole: {baseline:.1f} dB")
 
 
 if __name__ == "__main__":

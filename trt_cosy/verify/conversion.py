@@ -1,7 +1,7 @@
 """The voice-conversion path in ``trt-cosy verify``.
 
-Every golden set's token -> wav runs were made by the official ``CosyVoiceModel.tts(source_speech_token=...)``,
-the entry point of ``inference_vc`` (``vc_job``: the source tokens stand in for the LLM's). Here the same
+Every golden set's token -> wav runs were made by the official
+``CosyVoiceModel.tts(source_speech_token=...)``, the entry point of ``inference_vc`` (``vc_job``: the source tokens stand in for the LLM's). Here the same
 tokens go through a conversion request (``conversion.conversion_request_class`` over the family's request:
 its chunk schedule, flow and vocoder state, final call), with the golden prompt and the official random
 draws injected; its audio is compared with ``<run>_wav`` under the key ``conversion:<run>_wav``.
