@@ -87,7 +87,7 @@ def test_the_model_converts_with_a_reference_as_convert_does(tts):
 
 @pytest.mark.slow
 def test_tritonserver_streams_a_conversion_into_a_stored_voice(tts, tmp_path_factory, v2_tiny_dir, request):
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is needed: pip install 'trt-cosy[triton]'")
+    pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc]: the [triton] extra")
     import tritonclient.grpc as grpc
     from triton_support import TritonServer, stub_numpy_dir
 
