@@ -110,9 +110,13 @@ def test_70_s_source_streams_window_by_window_first_audio_before_the_second_wind
     assert np.allclose(joins, [w.end / SOURCE_RATE for w in windows[:-1]], atol=0.08), joins
 
 
-def test_source_longer_than_the_limit_is_refused_with_the_limit(tts, target):
+def test_source_longer_than_the_limit_is_refused_with_the_limit(tts, target, tmp_path):
     with pytest.raises(InputError, match=r"70 s long; at most 60 s"):
         tts.convert((np.full(70 * SOURCE_RATE, 0.1, np.float32), SOURCE_RATE), target, max_source_seconds=60)
+    hour = tmp_path / "hour.flac"  # one hour: refused from the header, before it is read
+    soundfile.write(hour, np.zeros(3600 * 8000, np.int16), 8000)
+    with pytest.raises(InputError, match=r"3600 s long; at most 1800 s"):
+        tts.convert(hour, target, max_source_seconds=1800)
 
 
 # ----------------------------------------------------------------------------- bad input, source forms

@@ -105,14 +105,32 @@ def read_source(
         if rate != SOURCE_RATE:
             wav = resample(wav, int(rate), SOURCE_RATE)  # wav: [N * 16000 / rate]
     elif isinstance(source, (str, Path)):
-        wav = load_audio(source, SOURCE_RATE, min_sr=MIN_SOURCE_RATE)  # wav: [N16]
         name = f"source audio {source}"
+        _check_file_duration(Path(source), name, max_seconds)  # before reading it all into memory
+        wav = load_audio(source, SOURCE_RATE, min_sr=MIN_SOURCE_RATE)  # wav: [N16]
     else:
         raise InputError(
             f"source must be a path, (samples, sample_rate) or a trt_cosy.Voice, got {type(source).__name__}."
         )
     check_source(wav, name, max_seconds)
     return wav
+
+
+def _check_file_duration(path: Path, name: str, max_seconds: float) -> None:
+    """``InputError`` for a file longer than ``max_seconds`` (its header; unreadable files are left
+    to ``load_audio``'s message)."""
+    import soundfile
+
+    try:
+        info = soundfile.info(str(path))
+    except Exception:  # libsndfile raises several types for garbage; load_audio says what is wrong
+        return
+    if info.samplerate > 0 and info.frames / info.samplerate > max_seconds:
+        seconds = info.frames / info.samplerate
+        raise InputError(
+            f"{name} is {seconds:.0f} s long; at most {max_seconds:g} s can be converted in one request. "
+            "Split the recording."
+        )
 
 
 def _mono(samples: object, rate: object) -> np.ndarray:
