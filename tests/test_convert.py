@@ -196,6 +196,28 @@ def test_aconvert_gives_the_chunks_convert_gives(tts, target):
         np.testing.assert_array_equal(ours.samples, theirs.samples)
 
 
+def test_concurrent_conversions_give_what_each_gives_alone(tts, target, sources):
+    jobs = {"a": (SPEECH, 1, True), "b": (sources["stereo48k"], 2, False), "c": (sources["tel8k"], 3, True)}
+
+    def convert(source, seed, stream):
+        config = SynthesisConfig(stream=stream)
+        return np.concatenate([chunk.samples for chunk in tts.convert(source, target, seed, config)])
+
+    alone = {name: convert(*job) for name, job in jobs.items()}
+    together: dict[str, np.ndarray] = {}
+    threads = [
+        threading.Thread(target=lambda name=name, job=job: together.__setitem__(name, convert(*job)))
+        for name, job in jobs.items()
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert together.keys() == alone.keys()
+    for name in jobs:
+        np.testing.assert_array_equal(together[name], alone[name])
+
+
 def test_closing_a_conversion_stops_its_worker(tts, target):
     wav = _speech_with_pauses(70.0, [22.0, 47.5])
     chunks = tts.convert((wav, SOURCE_RATE), target, config=SynthesisConfig(stream=True))
