@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile
 from _convert_support import load_family
-from _support import tiny_engines
+from _support import BLOCK_TORCH, tiny_engines
 from click.testing import CliRunner
 
 from trt_cosy import InputError, SynthesisConfig
@@ -99,7 +99,8 @@ def test_70_s_source_streams_window_by_window_first_audio_before_the_second_wind
     assert [chunk.segment for chunk in chunks] == sorted(chunk.segment for chunk in chunks)
     assert chunks[-1].is_last and sum(chunk.is_last for chunk in chunks) == 1
     labels = [next(c.text for c in chunks if c.segment == k) for k in range(3)]
-    assert labels == [w.label() for w in windows] and labels[1].startswith("source 2")  # "source 21.92-47.52 s"
+    assert labels == [w.label() for w in windows]
+    assert labels[1].startswith("source 2")  # "source 21.92-47.52 s"
     # Each window speaks its own tokens (25 per second): the joins fall where the windows end.
     per_window = [sum(c.samples.size for c in chunks if c.segment == k) for k in range(3)]
     expected = [
@@ -252,6 +253,24 @@ def test_cli_convert_with_ref_voice_and_stream(tts, tmp_path_factory, v2_tiny_di
     result = runner.invoke(main, missing + ["-o", str(tmp_path / "y.wav")])
     assert result.exit_code == 2 and "does not exist" in result.output
     assert not (tmp_path / "x.wav").exists() and not (tmp_path / "y.wav").exists()
+
+
+@pytest.mark.slow
+def test_cli_convert_runs_without_torch(tmp_path_factory, v2_tiny_dir, tmp_path):
+    engines = tiny_engines(tmp_path_factory, v2_tiny_dir)
+    out = tmp_path / "converted.wav"
+    argv = ["trt-cosy", "convert", str(SPEECH), "--engines", str(engines), "--ref", str(TARGET)]
+    argv += ["-o", str(out)]
+    code = BLOCK_TORCH + (
+        "import sys\nfrom trt_cosy.cli import main\n"
+        f"sys.argv = {argv + ['--threads', '1', '--stream', '-q']!r}\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n"
+        "    assert 'torch' not in sys.modules, 'torch was imported'\n    raise\n"
+    )
+    command = [sys.executable, "-c", code]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert soundfile.info(out).duration == pytest.approx(4.36, abs=0.05)
 
 
 @pytest.mark.slow
