@@ -8,6 +8,7 @@ sound (tests/test_convert_parity.py checks the numbers against the official code
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -178,6 +179,9 @@ def test_source_forms_samples_int16_stereo_and_a_voice(tts, target):
     ]:
         with pytest.raises(InputError, match=message):
             tts.convert(bad, target)
+    foreign = dataclasses.replace(source_voice, model_id="v1-0123456789abcdef")
+    with pytest.raises(InputError, match="source voice was made for model v1-0123456789abcdef"):
+        tts.convert(foreign, target)
     with pytest.raises(InputError, match="instruct does not apply"):
         tts.convert(SPEECH, target, config=SynthesisConfig(instruct="Speak softly."))
     with pytest.raises(InputError, match="voice must be a trt_cosy.Voice"):

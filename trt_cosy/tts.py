@@ -429,6 +429,11 @@ class CosyVoice:
             raise InputError(f"stream_schedule {config.stream_schedule!r} is not available for this model.")
         budget = families.speech_budget(self.model, voice)  # tokens one window may have
         if isinstance(source, Voice):
+            if source.model_id and self.model_id and source.model_id != self.model_id:
+                raise InputError(
+                    f"the source voice was made for model {source.model_id}, not for {self.model_id}: its "
+                    "speech tokens mean nothing to this model. Pass the recording instead."
+                )
             voice_tokens = np.asarray(source.speech_tokens, np.int64)  # [n]
             if voice_tokens.size == 0 or voice_tokens.size > budget:
                 raise InputError(
