@@ -57,7 +57,6 @@ def _inputs(rng: np.random.Generator, text_vocab: int) -> dict[str, np.ndarray]:
 
 def make_golden(model_dir: Path, out: Path, n_forced: int = 8, greedy_steps: int = 100) -> None:
     from trt_cosy.builder.reference import load_torch_model
-
     from trt_cosy.verify.golden import GoldenSet
     from trt_cosy.verify.stages import run_flow, run_hift, run_llm
 

@@ -19,8 +19,10 @@ pytest.importorskip("torch", reason="the torch reference backend needs the [buil
 
 DATA = Path(__file__).parent / "data"
 DIRS = {"v1": DATA / "cosyvoice1-tiny", "v2": DATA / "cosyvoice2-tiny", "v3": DATA / "cosyvoice3-tiny"}
-# Compared keys per golden set: all ok but llm_sampled_tokens (informational).
-EXPECTED_OK = {"v1": 65, "v2": 60, "v3": 49}
+# Compared keys per golden set: all ok but llm_sampled_tokens (informational); plus the voice-conversion
+# request on each golden run with a flow prompt (``conversion:<run>_wav``, verify.conversion).
+CONVERSION_RUNS = {"v1": 2, "v2": 3, "v3": 3}
+EXPECTED_OK = {"v1": 65 + 2, "v2": 60 + 3, "v3": 49 + 3}
 # Keys that must be among the compared ones (one of each kind per family).
 MUST_COMPARE = {
     "v1": (
@@ -92,9 +94,9 @@ def test_every_compared_key_is_ok(verified, family: str) -> None:
     failed = [row for row in rows if row.status == "FAIL"]
     assert not failed, format_table(failed)
     assert {row.key for row in rows if row.status == "skipped"} == {"llm_sampled_tokens"}
-    assert len(rows) == len(golden.compared_keys())
+    assert len(rows) == len(golden.compared_keys()) + CONVERSION_RUNS[family]
     by_key = {row.key: row for row in rows}
-    for key in MUST_COMPARE[family]:
+    for key in (*MUST_COMPARE[family], "conversion:nonstream_wav", "conversion:stream_wav"):
         assert by_key[key].status == "ok", by_key[key]
     assert f"summary: {EXPECTED_OK[family]} ok, 0 failed, 1 skipped" in format_table(rows)
 
@@ -107,12 +109,14 @@ def test_a_perturbed_golden_fails(verified, family: str) -> None:
     arrays[mel_key] = arrays[mel_key] + 5 * tolerance
     arrays[token_key] = arrays[token_key].copy()
     arrays[token_key][min(3, arrays[token_key].size - 1)] += 1
+    arrays["stream_wav"] = arrays["stream_wav"] + 0.01
     rows = {
         row.key: row for row in compare_outputs(ours, skipped, GoldenSet(arrays, golden.meta, golden.source))
     }
     assert rows[mel_key].status == "FAIL"
     assert rows[mel_key].max_abs_err == pytest.approx(5 * tolerance, rel=0.05), rows[mel_key]
     assert rows[token_key].status == "FAIL"
+    assert rows["conversion:stream_wav"].status == "FAIL" and rows["conversion:nonstream_wav"].status == "ok"
     assert rows[mel_key.replace("flow_mel", "flow_mu")].status == "ok"
 
 

@@ -40,6 +40,7 @@ from .synthesis import (
     AudioChunk,
     EngineConfig,
     LLMPrompt,
+    Segment,
     SynthesisConfig,
     check_text,
     plan_segments,
@@ -333,6 +334,142 @@ class CosyVoice:
             prompt,
             schedule=config.stream_schedule,
         )
+
+    def vc_voice_from_wav(self, path: str | Path) -> Voice:
+        """The target voice of a voice conversion from a reference recording, as the official
+        ``frontend_vc`` makes it (speech tokens and prompt mel not trimmed to each other; no transcript).
+
+        Raises:
+            InputError: unreadable, too short, too long or silent audio.
+        """
+        from .conversion import vc_voice
+
+        return vc_voice(self.voice_builder, path)
+
+    def convert(
+        self,
+        source: str | Path | tuple[np.ndarray, int] | Voice,
+        voice: Voice | str,
+        seed: int | None = None,
+        config: SynthesisConfig | None = None,
+        max_source_seconds: float | None = None,
+    ) -> Iterator[AudioChunk]:
+        """Voice conversion (official ``inference_vc``): the words, timing and intonation of
+        ``source`` spoken in ``voice``; chunks as ``synthesize`` gives them (lazy, ``cancel()``).
+
+        The source's speech tokens (the speech tokenizer) replace the LLM's output; the flow renders
+        them with the voice's prompt tokens, prompt mel and speaker embedding, then the vocoder, on the
+        streaming schedule of text-to-speech with ``config.stream``. A source longer than 30 s is cut
+        at pauses into windows converted in order (``trt_cosy.conversion``; one ``segment`` each).
+
+        Args:
+            source: a recording (path), ``(samples, sample_rate)`` (any rate >= 8 kHz, [N] or
+                [N, channels]), or a ``Voice`` (its reference's speech tokens).
+            voice: the target: ``vc_voice_from_wav`` (the official VC prompt), a stored ``Voice``, or a
+                preset speaker's name.
+            seed: the vocoder noise's seed; None draws fresh entropy.
+            config: ``stream`` and ``stream_schedule`` apply (``speed`` must stay 1.0, ``instruct`` unset).
+            max_source_seconds: refuse longer sources (default ``conversion.MAX_SOURCE_SECONDS``).
+
+        Raises:
+            InputError: a bad source or voice (checked at once, before anything runs).
+        """
+        return CancellableChunks(self._conversion(source, voice, seed, config, max_source_seconds))
+
+    async def aconvert(
+        self,
+        source: str | Path | tuple[np.ndarray, int] | Voice,
+        voice: Voice | str,
+        seed: int | None = None,
+        config: SynthesisConfig | None = None,
+        max_source_seconds: float | None = None,
+    ) -> AsyncIterator[AudioChunk]:
+        """``convert`` for asyncio: the same chunks, computed in a worker thread (see ``asynthesize``)."""
+        request = self._conversion(source, voice, seed, config, max_source_seconds)
+        async for chunk in iterate_in_thread(request):
+            yield chunk
+
+    def convert_to_file(
+        self,
+        source: str | Path | tuple[np.ndarray, int] | Voice,
+        path: str | Path,
+        voice: Voice | str,
+        seed: int | None = None,
+        config: SynthesisConfig | None = None,
+    ) -> Path:
+        """``convert`` into an audio file, written atomically (nothing left behind on error)."""
+        return write_audio(self.convert(source, voice, seed, config), path, self.sample_rate)
+
+    def _conversion(
+        self,
+        source: str | Path | tuple[np.ndarray, int] | Voice,
+        voice: Voice | str,
+        seed: int | None,
+        config: SynthesisConfig | None,
+        max_source_seconds: float | None,
+    ) -> Request:
+        """Check a conversion's inputs and plan it (the source is read, nothing is tokenised yet)."""
+        from . import conversion
+
+        config = config or SynthesisConfig()
+        if config.instruct is not None:
+            raise InputError("instruct does not apply to voice conversion; leave it unset.")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise InputError(f"seed must be a non-negative integer or None, got {seed!r}.")
+        if isinstance(voice, str):
+            voice = self.preset_voice(voice)
+        cfg = self.model.config
+        conversion.check_vc_voice(voice, self.sample_rate, cfg.mel.num_mels, cfg.flow.spk_embed_dim)
+        if voice.model_id and self.model_id and voice.model_id != self.model_id:
+            raise InputError(
+                f"this voice was made for model {voice.model_id}, not for {self.model_id}; make it again "
+                "with this model (`trt-cosy voices save` or CosyVoice.vc_voice_from_wav)."
+            )
+        if config.stream_schedule not in family_named(self.family).stream_schedules:
+            raise InputError(f"stream_schedule {config.stream_schedule!r} is not available for this model.")
+        budget = families.speech_budget(self.model, voice)  # tokens one window may have
+        if isinstance(source, Voice):
+            if source.model_id and self.model_id and source.model_id != self.model_id:
+                raise InputError(
+                    f"the source voice was made for model {source.model_id}, not for {self.model_id}: its "
+                    "speech tokens mean nothing to this model. Pass the recording instead."
+                )
+            voice_tokens = np.asarray(source.speech_tokens, np.int64)  # [n]
+            if voice_tokens.size == 0 or voice_tokens.size > budget:
+                raise InputError(
+                    f"the source voice has {voice_tokens.size} speech tokens; 1 to {budget} can be converted "
+                    "(a preset speaker has none: pass a recording)."
+                )
+            windows, tokens_of = [None], lambda index: voice_tokens
+            segments = [Segment("voice prompt", np.zeros(0, np.int64))]
+        else:
+            limit = conversion.MAX_SOURCE_SECONDS if max_source_seconds is None else max_source_seconds
+            wav16k = conversion.read_source(source, limit)  # wav16k: [N]
+            window_s = min(conversion.WINDOW_SECONDS, (budget - 2) / cfg.token_frame_rate)
+            if window_s < 1.0:
+                raise InputError("the voice's prompt leaves no room for speech; use a shorter reference.")
+            shortest = min(conversion.MIN_WINDOW_SECONDS, window_s / 2)
+            windows = conversion.pause_windows(wav16k, window_s, shortest)
+            segments = conversion.window_segments(windows)
+
+            def tokens_of(index: int) -> np.ndarray:
+                window = windows[index]
+                return self.voice_builder.speech_tokens(wav16k[window.start : window.end])[0].astype(np.int64)
+
+        request_class = conversion.conversion_request_class(families.request_class(self.family))
+        request = request_class(
+            self._stages,
+            cfg,
+            segments,
+            voice,
+            seed,
+            config.stream,
+            budget,
+            LLMPrompt(np.zeros(0, np.int64), np.zeros(0, np.int64)),
+            schedule=config.stream_schedule,
+        )
+        request.attach_source(tokens_of, len(windows))
+        return request
 
     def llm_prompt(self, voice: Voice, instruct: str | None = None) -> LLMPrompt:
         """What the LLM gets besides the text for ``voice`` and an optional instruction (spec §2.4).

@@ -1,6 +1,7 @@
 """The ``trt-cosy`` command line. Thin: parse options, call the library, report errors.
 
-One module per group of commands: ``models`` (download, build, make-test-model, verify), ``say``, ``voices``,
+One module per group of commands: ``models`` (download, build, make-test-model, verify), ``say``, ``convert``,
+``voices``,
 ``serve`` (serve, triton-repo), ``bench``; ``options`` holds what they share.
 """
 
@@ -15,7 +16,7 @@ import click
 
 from ..errors import TrtCosyError
 from ..version import __version__
-from . import bench, models, say, serve, voices
+from . import bench, convert, models, say, serve, voices
 from .options import add_verbose_option, log_level
 
 __all__ = ["main"]
@@ -61,7 +62,7 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=log_level(verbose), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-for _command in (models.download, models.build, models.make_test_model, models.verify, say.say, voices.voices,
-                 serve.serve, serve.triton_repo, bench.bench):
+for _command in (models.download, models.build, models.make_test_model, models.verify, say.say,
+                 convert.convert, voices.voices, serve.serve, serve.triton_repo, bench.bench):
     main.add_command(_command)
     add_verbose_option(_command)  # after the command's own options, as -v / -vv anywhere on the line

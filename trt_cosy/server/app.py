@@ -3,7 +3,8 @@
     app = create_app(CosyVoice.load(engines), ServerSettings(voices_dir="voices"))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: ``POST /v1/audio/speech`` (OpenAI), ``POST /tts``, ``GET /v1/models``,
+Routes: ``POST /v1/audio/speech`` (OpenAI), ``POST /tts``, ``POST /v1/audio/conversions`` (voice
+conversion), ``GET /v1/models``,
 ``GET/POST/DELETE /v1/voices``, ``GET /health``, ``GET /metrics`` and the web playground at ``GET /``.
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``. With
 ``settings.api_key`` every route but ``/health`` and the page needs ``Authorization: Bearer <key>``.
@@ -31,6 +32,7 @@ from ..version import __version__
 from .access_log import AccessLog
 from .audio_encoding import available_formats
 from .auth import BearerAuth
+from .conversions import CONVERSIONS_PATH, conversions_router
 from .errors import RETRY_WARMING_S, APIError, error_body, validation_message
 from .limits import Admission, BodySizeLimit
 from .metrics import Metrics, MetricsMiddleware, exposition_for, path_label
@@ -97,12 +99,13 @@ def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app, metrics)
     app.include_router(speech_router(state))
     app.include_router(voices_router(state))
+    app.include_router(conversions_router(state))
     _add_info_routes(app, state)
     app.include_router(playground_router())
     upload_limit = settings.max_upload_bytes + _UPLOAD_SLACK
 
     def limit_for(path: str) -> int:
-        return upload_limit if path.startswith("/v1/voices") else settings.max_json_bytes
+        return upload_limit if path.startswith(("/v1/voices", CONVERSIONS_PATH)) else settings.max_json_bytes
 
     def refused(path: str) -> None:
         metrics.errors.labels(path_label(path), "body_too_large").inc()

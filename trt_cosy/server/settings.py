@@ -43,6 +43,9 @@ class ServerSettings:
     """Largest reference-audio upload, bytes (413 beyond)."""
     max_upload_seconds: float = 30.0
     """Longest reference audio accepted, seconds (the speech tokenizer's limit is 30)."""
+    max_source_seconds: float = 300.0
+    """Longest source audio of a voice conversion (``POST /v1/audio/conversions``), seconds (400 beyond;
+    its upload is also bound by ``max_upload_bytes``)."""
     max_json_bytes: int = 256 * 1024
     """Largest JSON request body, bytes (413 beyond)."""
     stream_speech: bool = True
@@ -67,7 +70,8 @@ class ServerSettings:
                 raise InputError(f"{name} must be a positive integer, got {value!r}.")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InputError(f"max_queue must be a non-negative integer, got {self.max_queue!r}.")
-        for name in ("request_timeout_s", "max_upload_seconds", "header_timeout_s", "body_timeout_s"):
+        timing = ("request_timeout_s", "max_upload_seconds", "max_source_seconds", "header_timeout_s")
+        for name in (*timing, "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)!r}.")
         if self.api_key is not None and not (

@@ -24,13 +24,15 @@ _LOGGER = logging.getLogger(__name__)
 
 # (name, Triton data type, dims, optional)
 INPUTS: Final = (
-    ("text", "TYPE_STRING", "[ 1 ]", False),
+    ("text", "TYPE_STRING", "[ 1 ]", True),  # or source_audio: voice conversion
     ("voice", "TYPE_STRING", "[ 1 ]", True),
     ("reference_audio", "TYPE_FP32", "[ -1 ]", True),
     ("reference_sample_rate", "TYPE_INT32", "[ 1 ]", True),
     ("reference_text", "TYPE_STRING", "[ 1 ]", True),
     ("seed", "TYPE_INT64", "[ 1 ]", True),
     ("stream", "TYPE_BOOL", "[ 1 ]", True),
+    ("source_audio", "TYPE_FP32", "[ -1 ]", True),
+    ("source_sample_rate", "TYPE_INT32", "[ 1 ]", True),
 )
 OUTPUTS: Final = (("audio", "TYPE_FP32", "[ -1 ]"), ("sample_rate", "TYPE_INT32", "[ 1 ]"))
 DEVICES: Final = ("auto", "cpu", "gpu")

@@ -27,8 +27,10 @@ _LOGGER = logging.getLogger(__name__)
 DEFAULT_MAX_TEXT_CHARS: Final = 4096
 INPUT_NAMES: Final = (
     "text", "voice", "reference_audio", "reference_sample_rate", "reference_text", "seed", "stream",
+    "source_audio", "source_sample_rate",
 )
 _REFERENCE_NAME: Final = "reference_audio"
+_SOURCE_NAME: Final = "source_audio"  # voice conversion: speech to say again in the voice, instead of text
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class SpeechInputs:
     reference_text: str | None
     seed: int | None
     stream: bool
+    source_audio: np.ndarray | None = None
+    """Voice conversion (instead of ``text``, which is then ""): float32 [N], mono, in [-1, 1]."""
+    source_sample_rate: int | None = None
 
 
 def _one(inputs: Mapping[str, np.ndarray], name: str) -> Any:
@@ -74,9 +79,20 @@ def parse_inputs(inputs: Mapping[str, np.ndarray], max_text_chars: int = DEFAULT
     unknown = sorted(set(inputs) - set(INPUT_NAMES))
     if unknown:
         raise InputError(f"unknown inputs {unknown}; this model takes {', '.join(INPUT_NAMES)}.")
-    if "text" not in inputs:
-        raise InputError("input 'text' is missing; send the words to speak.")
-    text = _string(inputs, "text")
+    source, source_rate = None, None
+    if _SOURCE_NAME in inputs:
+        if "text" in inputs:
+            raise InputError("send either 'text' or 'source_audio' (voice conversion), not both.")
+        source, source_rate = _audio(inputs, _SOURCE_NAME, "source_sample_rate")
+        if "reference_text" in inputs:
+            raise InputError(
+                "'reference_text' does not go with 'source_audio': voice conversion uses no transcript."
+            )
+    elif "source_sample_rate" in inputs:
+        raise InputError("'source_sample_rate' goes with 'source_audio'.")
+    elif "text" not in inputs:
+        raise InputError("input 'text' is missing; send the words to speak (or 'source_audio' to convert).")
+    text = _string(inputs, "text") if "text" in inputs else ""
     if len(text) > max_text_chars:
         raise InputError(
             f"text is {len(text)} characters; at most {max_text_chars} are accepted. Send the text in parts."
@@ -89,7 +105,7 @@ def parse_inputs(inputs: Mapping[str, np.ndarray], max_text_chars: int = DEFAULT
         )
     reference, rate, reference_text = None, None, None
     if has_reference:
-        reference, rate = _reference(inputs)
+        reference, rate = _audio(inputs, _REFERENCE_NAME, "reference_sample_rate")
         if "reference_text" in inputs:
             reference_text = _string(inputs, "reference_text")
     elif "reference_sample_rate" in inputs or "reference_text" in inputs:
@@ -99,20 +115,21 @@ def parse_inputs(inputs: Mapping[str, np.ndarray], max_text_chars: int = DEFAULT
         raise InputError(f"seed must be a non-negative integer, got {seed}.")
     stream = bool(_one(inputs, "stream")) if "stream" in inputs else False
     voice = _string(inputs, "voice") if has_voice else None
-    return SpeechInputs(text, voice, reference, rate, reference_text, seed, stream)
+    return SpeechInputs(text, voice, reference, rate, reference_text, seed, stream, source, source_rate)
 
 
-def _reference(inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, int]:
-    if "reference_sample_rate" not in inputs:
-        raise InputError("'reference_audio' needs 'reference_sample_rate' (Hz, INT32 [1]).")
-    rate = int(_one(inputs, "reference_sample_rate"))
+def _audio(inputs: Mapping[str, np.ndarray], name: str, rate_name: str) -> tuple[np.ndarray, int]:
+    """An audio input and its rate input: (float32 [N], Hz)."""
+    if rate_name not in inputs:
+        raise InputError(f"'{name}' needs '{rate_name}' (Hz, INT32 [1]).")
+    rate = int(_one(inputs, rate_name))
     if rate <= 0:
-        raise InputError(f"reference_sample_rate must be positive (Hz), got {rate}.")
-    audio = np.asarray(inputs[_REFERENCE_NAME], dtype=np.float32).reshape(-1)  # audio: [N]
+        raise InputError(f"{rate_name} must be positive (Hz), got {rate}.")
+    audio = np.asarray(inputs[name], dtype=np.float32).reshape(-1)  # audio: [N]
     if audio.size == 0:
-        raise InputError("reference_audio contains no samples. Send a recording of a few seconds of speech.")
+        raise InputError(f"{name} contains no samples. Send a recording of a few seconds of speech.")
     if not np.isfinite(audio).all():
-        raise InputError("reference_audio contains NaN or infinite samples; send audio in [-1, 1].")
+        raise InputError(f"{name} contains NaN or infinite samples; send audio in [-1, 1].")
     return audio, rate
 
 
@@ -120,7 +137,7 @@ class TritonSpeech:
     """What one Triton model instance runs: the engine plus the stored voices.
 
     Args:
-        tts: a loaded ``CosyVoice`` (or anything with its ``synthesize``/``voice_from_wav``).
+        tts: a loaded ``CosyVoice`` (or anything with its ``synthesize``/``convert``/``voice_from_wav``).
         voices: a ``VoiceStore`` of the voices folder, or None when the repository has none.
         max_text_chars: the longest text accepted, in characters.
     """
@@ -139,7 +156,11 @@ class TritonSpeech:
         request = parse_inputs(inputs, self.max_text_chars)
         voice = self._voice(request)
         config = SynthesisConfig(stream=request.stream)
-        chunks = self.tts.synthesize(request.text, voice, request.seed, config)
+        if request.source_audio is not None:  # voice conversion (official inference_vc)
+            source = (request.source_audio, request.source_sample_rate)
+            chunks = self.tts.convert(source, voice, request.seed, config)
+        else:
+            chunks = self.tts.synthesize(request.text, voice, request.seed, config)
         return request, _samples(chunks)
 
     def _voice(self, request: SpeechInputs) -> Voice:
@@ -174,6 +195,8 @@ class TritonSpeech:
             path = Path(folder) / "reference.wav"
             soundfile.write(path, request.reference_audio, request.reference_sample_rate, subtype="FLOAT")
             try:
+                if request.source_audio is not None:  # the official VC prompt of the reference
+                    return self.tts.vc_voice_from_wav(path)
                 return self.tts.voice_from_wav(path, request.reference_text)
             except InputError as exc:  # too short, silent...: name the input, not the temp file
                 raise InputError(str(exc).replace(str(path), _REFERENCE_NAME)) from None

@@ -4,7 +4,8 @@ Works for the three families (golden README §2, §7, §8); the model's family s
 drivers (``Family.verify_drivers``: ``stages`` here for CosyVoice2, ``models/v1/verify.py``,
 ``models/v3/verify.py``). ``run_verify`` is
 ``compute_outputs`` (run the stages, injected noise) followed by ``compare_outputs`` (one row per
-compared golden key).
+compared golden key, plus ``conversion:<run>_wav``: the voice-conversion request on the golden runs,
+``verify.conversion``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from ..errors import InputError, require
 from ..runtime.model import LoadedModel
+from .conversion import CONVERSION_PREFIX
 from .golden import Comparison, GoldenSet, compare
 
 __all__ = ["load_backend", "run_verify", "compute_outputs", "compare_outputs", "format_table"]
@@ -66,6 +68,9 @@ def compute_outputs(model: LoadedModel, golden: GoldenSet) -> tuple[dict[str, An
     skipped = dict(_SKIPPED)
     for driver in family.verify_drivers:
         ours.update(driver(model, golden, skipped))
+    from .conversion import run_conversion  # voice conversion: the conversion request on the golden runs
+
+    ours.update(run_conversion(model, golden, skipped))
     return ours, skipped
 
 
@@ -86,6 +91,9 @@ def compare_outputs(
             rows.append(Comparison(key, "skipped", note=reason))
             continue
         rows.append(compare(key, ours[key], golden[key], tolerance))
+    for key in sorted(key for key in ours if key.startswith(CONVERSION_PREFIX)):  # against <run>_wav
+        golden_key = key[len(CONVERSION_PREFIX) :]
+        rows.append(compare(key, ours[key], golden[golden_key], golden.tolerance(golden_key)))
     return rows
 
 

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from trt_cosy.builder.engines import build_engines
 
+from trt_cosy.builder.engines import build_engines
 from trt_cosy.runtime import graphs
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.stages.flow import FlowStage

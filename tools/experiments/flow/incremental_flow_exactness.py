@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import torch
+
 from trt_cosy.builder.modules.flow import load_flow
 from trt_cosy.builder.modules.flow_estimator_incremental import (
     IncrementalEstimatorGraph,
     incremental_cache_layout,
 )
-
 from trt_cosy.models.v2.config import v2_config_from_release_dir
 from trt_cosy.stages.flow import cosine_t_span
 

@@ -27,13 +27,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from trt_cosy.models.v3.config import DiTConfig, v3_config_from_release_dir
 from trt_cosy.models.v3.export.dit import DiT
 from trt_cosy.models.v3.export.dit_incremental import (
     V3IncrementalEstimatorGraph,
     v3_incremental_cache_layout,
 )
-
-from trt_cosy.models.v3.config import DiTConfig, v3_config_from_release_dir
 from trt_cosy.stages.flow import cosine_t_span
 from trt_cosy.streaming import hop_schedule
 

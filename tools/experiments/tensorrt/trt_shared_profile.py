@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-from trt_cosy.builder.trt.plans import build_plan
 
+from trt_cosy.builder.trt.plans import build_plan
 from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile
 from trt_cosy.runtime.trt import TrtRunner, load_tensorrt, shared_runtime

@@ -1,0 +1,77 @@
+"""`trt-cosy convert`: voice conversion (official ``inference_vc``) of a recording into a wav file,
+with the progress lines and the clean Ctrl-C of `say`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .options import check_one_of, engine_options, load_tts
+from .say import _preset_voice, _SynthesisProgress, _write_interruptibly
+
+
+@click.command()
+@click.argument("source_wav", type=click.Path(dir_okay=False, path_type=Path))
+@engine_options
+@click.option(
+    "--ref",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Reference recording of the target voice (1-30 s): the official VC prompt.",
+)
+@click.option(
+    "--voice",
+    "voice_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A voice file from `trt-cosy voices save` (instead of --ref).",
+)
+@click.option("--speaker", default=None, help="A preset speaker (CosyVoice-300M-SFT/-Instruct).")
+@click.option(
+    "-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output wav."
+)
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
+@click.option("--stream", is_flag=True, help="Stream: write audio while it is generated.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr (errors are still shown).")
+def convert(
+    source_wav: Path,
+    engines: Path | None,
+    model_dir: Path | None,
+    source: str,
+    threads: int | None,
+    precision: str | None,
+    ref: Path | None,
+    voice_file: Path | None,
+    speaker: str | None,
+    out: Path,
+    seed: int | None,
+    stream: bool,
+    quiet: bool,
+    backend: str,
+) -> None:
+    """Say what SOURCE_WAV says, with its timing and intonation, in the voice of --ref, --voice or
+    --speaker (voice conversion), into a wav file written atomically.
+
+    Any rate from 8 kHz, mono or not; a source longer than 30 s is converted in windows cut at
+    pauses. Ctrl-C or SIGTERM stops within about a second and leaves no file.
+    """
+    from ..frontend.voice import Voice
+    from ..synthesis import SynthesisConfig
+
+    check_one_of(ref=ref, voice=voice_file, speaker=speaker)
+    if ref is None and voice_file is None and speaker is None:
+        raise click.UsageError(
+            "pass the target voice: --ref target.wav, --voice voice.npz or --speaker NAME."
+        )
+    config = SynthesisConfig(stream=stream)
+    voice = Voice.load(voice_file) if voice_file is not None else None
+    tts = load_tts(engines, model_dir, source, threads, precision, quiet=quiet, backend=backend)
+    if ref is not None:
+        voice = tts.vc_voice_from_wav(ref)
+    elif speaker is not None:
+        voice = _preset_voice(tts, speaker)
+    chunks = tts.convert(source_wav, voice, seed=seed, config=config)  # the source is checked here
+    progress = _SynthesisProgress(stream=stream, quiet=quiet)
+    _write_interruptibly(chunks, out, tts.sample_rate, None, progress)
+    click.echo(f"wrote {out}")

@@ -1,0 +1,105 @@
+"""``POST /v1/audio/conversions``: voice conversion (official ``inference_vc``), speech in, the same words
+in a stored voice out.
+
+Multipart form: ``file`` (the source recording: wav/flac/ogg, any rate from 8 kHz, up to
+``max_source_seconds``), ``voice`` (a stored voice's name), ``response_format`` (as the speech route),
+``stream`` (chunks as they are made, wav/pcm), ``seed``. The same limits as the speech route and
+the voice uploads: the upload's bytes (413) and duration (400), authentication, 429 when the queue
+is full, 503/504 on timeouts, a client that leaves cancels the work. ElevenLabs names the same thing
+``POST /v1/speech-to-speech/{voice_id}``; this path sits beside OpenAI's ``/v1/audio/speech``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi.responses import Response
+
+from ..errors import InputError
+from ..synthesis import SynthesisConfig
+from .audio_encoding import STREAMING_FORMATS, check_format, content_type, encode_audio
+from .errors import APIError
+from .jobs import SynthesisJob, cancel_on_disconnect, collect, stream_body
+from .speech import SynthesisResponse
+from .state import ServerState
+from .voices_api import _audio_seconds, _save_upload, _StrictFormRoute
+
+__all__ = ["CONVERSIONS_PATH", "conversions_router"]
+
+_LOGGER = logging.getLogger(__name__)
+
+CONVERSIONS_PATH = "/v1/audio/conversions"
+
+
+def conversions_router(state: ServerState) -> APIRouter:
+    router = APIRouter(route_class=_StrictFormRoute)
+
+    @router.post(CONVERSIONS_PATH)
+    async def create_conversion(
+        request: Request,
+        file: Annotated[UploadFile, File(description="The source recording (wav/flac/ogg, >= 8 kHz).")],
+        voice: Annotated[str, Form(description="The stored voice to speak in.")],
+        response_format: Annotated[str, Form()] = "wav",
+        stream: Annotated[bool, Form()] = False,
+        seed: Annotated[int | None, Form(ge=0)] = None,
+    ) -> Response:
+        """The words, timing and intonation of ``file`` spoken in ``voice``."""
+        received_at = time.perf_counter()
+        state.require_ready()
+        settings = state.settings
+        check_format(response_format, state.formats)
+        target = state.store.get(voice).voice
+        streaming = stream and response_format in STREAMING_FORMATS
+        staging = await anyio.to_thread.run_sync(state.store.staging_dir, "conversion")
+        try:
+            path = await _save_upload(file, settings.max_upload_bytes, staging)
+            seconds = await anyio.to_thread.run_sync(_audio_seconds, path)
+            if seconds > settings.max_source_seconds:
+                raise APIError(
+                    400,
+                    f"the source is {seconds:.1f} s long; at most {settings.max_source_seconds:g} s is "
+                    "accepted. Send it in parts.",
+                    "audio_too_long",
+                    "file",
+                )
+            config = SynthesisConfig(stream=streaming)
+            try:  # reads and checks the source now (silent, too short...); tokenising is lazy
+                chunks = await anyio.to_thread.run_sync(
+                    lambda: state.tts.convert(path, target, seed, config, settings.max_source_seconds)
+                )
+            except InputError as exc:
+                message = str(exc).replace(str(path), "the uploaded file")
+                raise APIError(400, message, "invalid_audio", "file") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        try:
+            slot = await state.admission.acquire(settings.request_timeout_s)
+        except BaseException:
+            chunks.close()
+            raise
+        job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s)
+        try:
+            async with cancel_on_disconnect(job, request.receive):
+                first = await job.next()
+                samples = None if streaming or first is None else await collect(job, first)
+        except BaseException:
+            job.close("error")
+            raise
+        if job.cancelled or (first is not None and not streaming and samples is None):
+            raise APIError(499, "the client closed the request.", "client_closed")
+        if first is None:  # cannot happen: a conversion has at least one window
+            raise APIError(500, "the engine produced no audio for this source.", "no_audio")
+        headers = {"X-Sample-Rate": str(first.sample_rate)}
+        media_type = content_type(response_format)
+        if streaming:
+            body = stream_body(job, first, response_format, first.sample_rate)
+            return SynthesisResponse(job, body, media_type=media_type, headers=headers)
+        data = await anyio.to_thread.run_sync(encode_audio, samples, first.sample_rate, response_format)
+        return Response(data, media_type=media_type, headers=headers)
+
+    return router
