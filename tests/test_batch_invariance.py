@@ -166,12 +166,18 @@ def test_fixed_steps_run_whole_row_groups_and_the_default_runs_the_active_rows(g
         stepper.step(np.zeros((2, 1, width), np.float32))
 
 
-def test_engine_config_takes_deterministic():
-    assert EngineConfig().deterministic is None
-    assert EngineConfig(deterministic=True).deterministic is True
+def test_engine_config_sets_the_shared_decode_loop(engines):
+    from trt_cosy import CosyVoice
+    from trt_cosy.stages.llm_batch import DETERMINISTIC_DEFAULT
+
     assert EngineConfig.from_dict({"deterministic": False}).deterministic is False
     with pytest.raises(InputError, match="deterministic"):
         EngineConfig(deterministic="yes")
+    for setting, expected in ((True, True), (False, False), (None, DETERMINISTIC_DEFAULT)):
+        tts = CosyVoice.load(engines, config=EngineConfig(threads=1, normalizer="none", deterministic=setting))
+        llm = tts._stages.llm
+        assert isinstance(llm, BatchedLLMStage) and llm.scheduler.deterministic is expected
+        assert llm.scheduler._stepper.fixed_shapes is expected
 
 
 def test_seeded_sampling_in_the_shared_loop_equals_decoding_alone_int4(graphs, tables, v2_reference):
