@@ -433,3 +433,53 @@ def test_plan_build_adds_the_batch_as_profile_data(tmp_path, v2_tiny_dir):
         assert [s[0] for s in shapes["inputs_embeds"]] == [1, 4, 8]
         assert shapes["past_key_0"][2] == (8, qwen.num_kv_heads, 4096, qwen.head_dim)  # [B, H, C, Dh]
         assert shapes["key_positions"][2] == ((512, 2048, 4096)[index % 3],)
+
+
+def test_fixed_shape_steps_give_each_row_its_logits_alone_bit_for_bit(exported, fake_cuda):
+    """``fixed_shapes`` (``EngineConfig.deterministic``): every step binds all slots and the whole
+    capacity (one profile, one set of shapes, whatever the load), and a row's logits over the fake
+    engine are bit-identical alone and beside other rows of other lengths, joining and leaving."""
+    runner, engine = _fake_decode_runner(exported)
+    qwen = exported.config.llm.qwen
+    speech = exported.tables["speech_embedding"]
+    model = TrtBatchLLM(exported.llm, runner, qwen.num_layers)
+    rng = np.random.default_rng(9)
+    prompts = [rng.standard_normal((1, n, qwen.hidden_size), dtype=np.float32) for n in (7, 70, 3)]
+    forced = rng.integers(0, speech.shape[0], 6)
+    from trt_fakes import host_array
+
+    def decode(members: list[int], leave_after: dict[int, int]) -> dict[int, list[np.ndarray]]:
+        slots = DeviceKVSlots(4, qwen.num_layers, qwen.num_kv_heads, 128, qwen.head_dim)
+        host_array(slots.buffer.ptr, (slots.nbytes // 4,))[...] = np.nan  # stale memory: must never leak
+        stepper = model.decoder(slots, exported.vocab, fixed_shapes=True)
+        for index in members:
+            cache = PrefillCache(qwen.num_layers, qwen.num_kv_heads, prompts[index].shape[1], qwen.head_dim)
+            model.prefill(prompts[index], cache)
+            slots.add(cache)
+        rows, out = list(members), {index: [] for index in members}
+        for step in range(forced.size):
+            logits = stepper.step(np.stack([speech[forced[step]] for _ in rows])[:, None])
+            assert logits.shape == (len(rows), exported.vocab)
+            shapes.add((runner._slots[0].profile, runner._slots[0].shapes["inputs_embeds"],
+                        runner._slots[0].shapes["key_positions"]))  # fmt: skip
+            for row, index in enumerate(rows):
+                out[index].append(logits[row].copy())
+            for row in sorted((r for r, i in enumerate(rows) if leave_after.get(i) == step), reverse=True):
+                moved = slots.remove(row)
+                if moved is not None:
+                    rows[row] = rows[moved]
+                rows.pop()
+        slots.free()
+        return out
+
+    shapes: set = set()
+    alone = {index: decode([index], {})[index] for index in range(3)}
+    runs = [decode([0, 1, 2], {1: 2}), decode([2, 0], {})]  # the first: request 1 leaves after 3 steps
+    for run in runs:
+        for index, rows in run.items():
+            assert len(rows) == (3 if index == 1 and len(run) == 3 else forced.size)
+            for step, row in enumerate(rows):
+                assert np.array_equal(row, alone[index][step]), (index, step)
+    (profile, batch, window), = shapes  # one profile and one shape at every step
+    assert batch == (4, 1, qwen.hidden_size) and window == (128,)
+    assert profile == 1 and not engine.failures

@@ -81,6 +81,12 @@ class EngineConfig:
     """Cached positions per KV slot (prompt + speech tokens), >= 1; a longer request decodes alone.
     None: enough for the longest segment the engines accept (CosyVoice2/3: 8012 positions, reserved
     as address space; pages are committed as a row fills and returned when it leaves)."""
+    deterministic: bool | None = None
+    """Batch-invariant decoding in the shared decode loop: every step runs all KV slots with the same
+    shapes, so a request's logits, and with a seed its tokens and audio, are bit-identical whatever
+    else the loop decodes (docs/determinism.md). None: ``stages.llm_batch.DETERMINISTIC_DEFAULT``.
+    False: steps over the active rows only (faster with few requests; a seed's audio may then differ
+    under load in about one request in 1,000)."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -89,6 +95,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
                 raise InputError(f"{name} must be an integer >= {least} or None, got {value!r}.")
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise InputError(f"deterministic must be True, False or None, got {self.deterministic!r}.")
         _check_normalizer(self.normalizer)
 
     def to_dict(self) -> dict[str, Any]:

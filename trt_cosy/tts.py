@@ -533,7 +533,13 @@ class CosyVoice:
     def _stages(self):
         """The stateless stages of the family (``pipeline.Stages``, ``V1Stages``, ``V3Stages``)."""
         options = self.engine_config
-        return families.build_stages(self.model, options.llm_slots, options.llm_slot_positions)
+        stages = families.build_stages(self.model, options.llm_slots, options.llm_slot_positions)
+        scheduler = getattr(getattr(stages, "llm", None), "scheduler", None)  # the shared decode loop, if any
+        if scheduler is not None:
+            from .stages.llm_batch import DETERMINISTIC_DEFAULT
+
+            scheduler.deterministic = DETERMINISTIC_DEFAULT if options.deterministic is None else options.deterministic
+        return stages
 
 
 def _make_normalizer(

@@ -66,6 +66,8 @@ def ray_serve_options(serve_command):
             return serve_command(**options)
         if replicas is not None and autoscale is not None:
             raise click.UsageError("pass only one of --replicas, --autoscale.")
+        if options.get("deterministic") is not None:
+            raise click.UsageError("--deterministic/--no-deterministic are not passed to Ray replicas (they use the default).")
         if options.get("engines") is None:
             raise click.UsageError(
                 "--ray needs --engines: an engines directory every replica loads (`trt-cosy build --out DIR`)."
@@ -120,11 +122,15 @@ def ray_serve_options(serve_command):
 @click.option("--max-segment-tokens", type=click.IntRange(min=1), default=200, show_default=True,
               help="Most text tokens in one sentence-segment; longer ones get 400 (render memory grows "
                    "with the square of a segment's length).")
+@click.option("--deterministic/--no-deterministic", default=None,
+              help="Batch-invariant decoding: a seed's audio is the same byte for byte whatever else the server "
+                   "decodes (every shared decode step runs all slots; docs/determinism.md gives the cost). "
+                   "Default: EngineConfig's.")
 @backend_option()
 @ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
           threads: int | None, max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None,
-          stream_speech: bool, max_segment_tokens: int, backend: str) -> None:
+          stream_speech: bool, max_segment_tokens: int, deterministic: bool | None, backend: str) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from ..errors import require
 
@@ -137,7 +143,8 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
 
     engines = engines_or_model_dir(engines, model_dir, backend)
     # The shared LLM decode loop gets one KV slot per synthesis the server runs at once.
-    tts = CosyVoice.load(engines, backend=backend, config=EngineConfig(threads=threads, llm_slots=max_concurrent))
+    config = EngineConfig(threads=threads, llm_slots=max_concurrent, deterministic=deterministic)
+    tts = CosyVoice.load(engines, backend=backend, config=config)
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
         max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,

@@ -11,6 +11,18 @@ slots hold only what the active rows use: after a burst of long requests RSS ret
 ``OrtBatchLLM`` runs the graph with IOBinding, each layer's present bound to the very buffer of its
 past: ONNX Runtime's GroupQueryAttention sees the shared buffer and writes the new positions in
 place, so a decode step copies no cache at all.
+
+A step runs the active rows only (batch = ``count``), or, with ``fixed_shapes``
+(``EngineConfig.deterministic``), every row of the buffers at every step: ``rows`` = the slots
+rounded up to a multiple of ``ROW_GROUP``, the inactive ones fed a zero input at position 0 and their
+logits dropped. A step then has the same batch size whatever the load, so no kernel can pick another
+row blocking for a row because other requests came or went. Why (measured on an AMX Xeon,
+docs/determinism.md): ONNX Runtime's int4 ``MatMulNBits`` (block 128, int8 compute) computes rows in
+pairs, and the last row of an odd batch alone with other rounding (up to 2e-6 per matmul), which
+sampling turns into another token now and then; whole groups of ``ROW_GROUP`` rows keep every slot
+inside a full pair (or group of 4). The attention length stays the longest row's: ONNX Runtime's
+GroupQueryAttention reads each row's own ``seqlens_k``, and the rotary table it is given is computed
+element by element (measured: every length's table is the prefix of the 8012-position one).
 """
 
 from __future__ import annotations
@@ -18,16 +30,17 @@ from __future__ import annotations
 import logging
 import mmap
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
 from ..errors import InputError
 from .graphs import LLM_BATCH
 
-__all__ = ["KVSlots", "PrefillCache", "OrtBatchLLM"]
+__all__ = ["KVSlots", "PrefillCache", "OrtBatchLLM", "ROW_GROUP"]
 
 _LOGGER = logging.getLogger(__name__)
+ROW_GROUP: Final = 4  # fixed-shape steps run a multiple of this many rows (kernels block rows in 1, 2 or 4)
 
 
 class PrefillCache:
@@ -42,17 +55,19 @@ class PrefillCache:
 
 class KVSlots:
     """``slots`` rows of ``capacity`` cached positions each, for ``layers`` layers (not thread-safe:
-    one owner, the decode scheduler, changes it)."""
+    one owner, the decode scheduler, changes it). The buffers hold ``rows`` rows (``slots`` rounded up
+    to ``ROW_GROUP``); the rows past ``slots`` are never filled (fixed-shape steps run them empty)."""
 
     def __init__(self, slots: int, layers: int, kv_heads: int, capacity: int, head_dim: int):
         if slots < 1 or capacity < 1:
             raise InputError(f"KV slots need slots >= 1 and capacity >= 1, got {slots} and {capacity}.")
         self.slots, self.capacity = slots, capacity
-        shape = (slots, kv_heads, capacity, head_dim)
+        self.rows = -(-slots // ROW_GROUP) * ROW_GROUP  # rows of the buffers (>= slots; a fixed-shape step's batch)
+        shape = (self.rows, kv_heads, capacity, head_dim)
         self._maps: list[mmap.mmap] = []  # the anonymous mappings under the buffers (when madvise exists)
-        self.keys = [self._zeros(shape) for _ in range(layers)]  # each [S, H, C, Dh]
+        self.keys = [self._zeros(shape) for _ in range(layers)]  # each [R, H, C, Dh], R = rows
         self.values = [self._zeros(shape) for _ in range(layers)]
-        self.lengths = np.zeros(slots, np.int32)  # cached positions per row
+        self.lengths = np.zeros(slots, np.int32)  # cached positions per row (0: inactive)
         self.count = 0  # active rows: 0 .. count-1
 
     def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -148,18 +163,33 @@ class OrtBatchLLM:
         logits = binding.get_outputs()[0].numpy()  # [1, T, V]
         return logits[0, -1]
 
-    def decoder(self, slots: KVSlots, vocab: int) -> _SlotStepper:
-        """A stepper over ``slots`` with its own IOBinding and logits buffer (one thread uses it)."""
-        return _SlotStepper(self, slots, vocab)
+    def decoder(self, slots: KVSlots, vocab: int, fixed_shapes: bool = False) -> _SlotStepper:
+        """A stepper over ``slots`` with its own IOBinding and logits buffer (one thread uses it);
+        ``fixed_shapes``: every step over all slots (``_SlotStepper.fixed_shapes``)."""
+        return _SlotStepper(self, slots, vocab, fixed_shapes)
 
 
 class _SlotStepper:
-    def __init__(self, model: OrtBatchLLM, slots: KVSlots, vocab: int):
+    def __init__(self, model: OrtBatchLLM, slots: KVSlots, vocab: int, fixed_shapes: bool = False):
         self._model, self._slots = model, slots
         self._session = model.runner.session
-        self._logits = np.zeros((slots.slots, 1, vocab), np.float32)  # [S, 1, V]
+        self._logits = np.zeros((slots.rows, 1, vocab), np.float32)  # [R, 1, V]
+        self._inputs: np.ndarray | None = None  # fixed shapes: [R, 1, D], the inactive rows zero
         self._binding: Any = None  # reused while the batch size stays the same
-        self._rows = -1
+        self._rows = -1  # the batch size ``_binding`` was made for
+        self.fixed_shapes = fixed_shapes
+        """Every step over all ``slots.rows`` rows (batch-invariant logits); False: the active rows only
+        (faster with fewer requests than slots)."""
+
+    def _bound(self, rows: int) -> Any:
+        """The IOBinding of a step over the first ``rows`` slots (cache views and logits buffer)."""
+        if rows != self._rows:  # the cache views and the logits buffer depend only on the batch size
+            slots, logits = self._slots, self._logits[:rows]  # [B, 1, V]
+            binding = self._session.io_binding()
+            self._model._bind_cache(binding, [k[:rows] for k in slots.keys], [v[:rows] for v in slots.values])
+            binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+            self._binding, self._rows = binding, rows
+        return self._binding
 
     def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
         """One new position for each of the ``count`` active rows: ``inputs_embeds`` [B, 1, D] ->
@@ -172,19 +202,24 @@ class _SlotStepper:
             return self._logits[:0, 0]
         if int(slots.lengths[:rows].max()) >= slots.capacity:
             raise InputError("a row reached the KV slot capacity")
-        inputs = np.ascontiguousarray(inputs_embeds, dtype=np.float32)  # [B, 1, D]
-        seqlens = slots.lengths[:rows].astype(np.int32)  # cached + 1 new - 1: [B]
-        logits = self._logits[:rows]  # [B, 1, V]
-        binding = self._binding
-        if rows != self._rows:  # the cache views and the logits buffer depend only on the batch size
-            binding = self._session.io_binding()
-            self._model._bind_cache(binding, [k[:rows] for k in slots.keys], [v[:rows] for v in slots.values])
-            binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
-            self._binding, self._rows = binding, rows
+        if self.fixed_shapes:
+            batch = slots.rows
+            if self._inputs is None or self._inputs.shape[2] != inputs_embeds.shape[2]:
+                self._inputs = np.zeros((batch, 1, inputs_embeds.shape[2]), np.float32)  # [R, 1, D]
+            inputs = self._inputs
+            inputs[:rows] = inputs_embeds
+            inputs[rows:] = 0.0
+            seqlens = np.zeros(batch, np.int32)  # [R]: the inactive rows' lengths are 0
+            seqlens[:rows] = slots.lengths[:rows]
+        else:
+            batch = rows
+            inputs = np.ascontiguousarray(inputs_embeds, dtype=np.float32)  # [B, 1, D]
+            seqlens = slots.lengths[:rows].astype(np.int32)  # cached + 1 new - 1: [B]
+        total = int(seqlens.max()) + 1  # the rotary table's length (GroupQueryAttention reads seqlens_k per row)
+        binding = self._bound(batch)
         binding.bind_cpu_input("inputs_embeds", inputs)
         binding.bind_cpu_input("seqlens_k", seqlens)
-        binding.bind_cpu_input("total_sequence_length", np.array(int(seqlens.max()) + 1, np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
         self._session.run_with_iobinding(binding)
         slots.lengths[:rows] += 1
-        return logits[:, 0]  # [B, V]
-
+        return self._logits[:rows, 0]  # [B, V]

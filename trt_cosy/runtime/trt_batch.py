@@ -20,6 +20,14 @@ the longest row rounded up to ``WINDOW_STEP``, capped at the capacity), copies t
 launches, writes the new positions into the slots and downloads only the logits, with one
 synchronize. Layout and copies are checked on CPUs over fake CUDA and a fake engine computing with
 the exported graph on ONNX Runtime (tests/test_trt_llm_decode.py); timings only a GPU can give.
+
+With ``fixed_shapes`` (``EngineConfig.deterministic``) every step has one shape: batch = all ``slots``
+(the inactive rows fed zeros at position 0, their outputs dropped) and window = ``capacity``, so
+every step runs the same profile and the same shapes, hence the same kernels (tactics are chosen per
+profile at build time and fixed in the plan). What TensorRT promises and what it does not is in
+docs/determinism.md: a row's arithmetic then does not depend on how many rows share the step or on
+their lengths; it may still depend on the slot a row sits in only if a kernel treats rows of one
+batch differently, which no GEMM or reduction here does by row index.
 """
 
 from __future__ import annotations
@@ -168,13 +176,16 @@ class TrtBatchLLM:
             cache.values[layer][...] = out["present_values"][layer]
         return out["logits"][0, -1]
 
-    def decoder(self, slots: DeviceKVSlots, vocab: int) -> _DeviceStepper:
-        return _DeviceStepper(self.decode_runner, slots, vocab)
+    def decoder(self, slots: DeviceKVSlots, vocab: int, fixed_shapes: bool = False) -> _DeviceStepper:
+        return _DeviceStepper(self.decode_runner, slots, vocab, fixed_shapes)
 
 
 class _DeviceStepper:
-    def __init__(self, runner: Any, slots: DeviceKVSlots, vocab: int):
+    def __init__(self, runner: Any, slots: DeviceKVSlots, vocab: int, fixed_shapes: bool = False):
         self._runner, self._slots, self._vocab = runner, slots, vocab
+        self.fixed_shapes = fixed_shapes
+        """Every step at batch ``slots.slots`` and window ``slots.capacity`` (one shape: batch-invariant);
+        False: the active rows and the longest row's window bucket."""
         self._addresses = slots.cache_addresses()
         self._cache_names = tuple(self._addresses)
         max_batch, max_window = decode_limits(runner)
@@ -193,14 +204,23 @@ class _DeviceStepper:
             raise InputError(f"{inputs_embeds.shape[0]} inputs for {rows} active rows")
         if rows == 0:
             return np.zeros((0, self._vocab), np.float32)
-        lengths = slots.lengths[:rows].copy()  # [B] int32
-        longest = int(lengths.max())
+        longest = int(slots.lengths[:rows].max())
         if longest >= slots.capacity:
             raise InputError("a row reached the KV slot capacity")
-        window = min(slots.capacity, max(WINDOW_STEP, -(-longest // WINDOW_STEP) * WINDOW_STEP))
-        cache_shape = (rows, slots.kv_heads, slots.capacity, slots.head_dim)  # [B, H, C, Dh]
+        inputs = np.ascontiguousarray(inputs_embeds, dtype=np.float32)  # [B, 1, D]
+        if self.fixed_shapes:  # all slots, the whole capacity: the same shapes at every step
+            batch, window = slots.slots, slots.capacity
+            lengths = np.zeros(batch, np.int32)  # [S]: the inactive rows' lengths are 0
+            lengths[:rows] = slots.lengths[:rows]
+            padded = np.zeros((batch, *inputs.shape[1:]), np.float32)  # [S, 1, D]
+            padded[:rows] = inputs
+            inputs = padded
+        else:
+            batch, lengths = rows, slots.lengths[:rows].copy()  # [B] int32
+            window = min(slots.capacity, max(WINDOW_STEP, -(-longest // WINDOW_STEP) * WINDOW_STEP))
+        cache_shape = (batch, slots.kv_heads, slots.capacity, slots.head_dim)  # [B, H, C, Dh]
         feed = {
-            "inputs_embeds": np.ascontiguousarray(inputs_embeds, dtype=np.float32),  # [B, 1, D]
+            "inputs_embeds": inputs,  # [B, 1, D]
             "past_lengths": lengths,  # [B]
             "key_positions": np.arange(window, dtype=np.int32),  # [P]
         }
@@ -212,11 +232,11 @@ class _DeviceStepper:
             runner.copy_inputs(feed, slot=index)
             runner.enqueue(slot=index, addresses=self._addresses)
             new_kv, new_shape, _ = runner.device_tensor("new_kv", slot=index)
-            if tuple(new_shape) != (rows, 2 * slots.layers, slots.kv_heads, slots.head_dim):
-                raise TrtCosyError(f"llm_decode gave new_kv {tuple(new_shape)} for {rows} rows")
-            slots.write_new(new_kv, rows, runner.stream(index))
+            if tuple(new_shape) != (batch, 2 * slots.layers, slots.kv_heads, slots.head_dim):
+                raise TrtCosyError(f"llm_decode gave new_kv {tuple(new_shape)} for {batch} rows")
+            slots.write_new(new_kv, rows, runner.stream(index))  # the active rows' new positions only
             views = runner.copy_outputs(slot=index, names=("logits",))
             runner.stream(index).synchronize()
             logits = np.array(views["logits"], copy=True).reshape(shapes["logits"])  # [B, 1, V]
         slots.lengths[:rows] += 1
-        return logits[:, 0]  # [B, V]
+        return logits[:rows, 0]  # [B, V]

@@ -12,8 +12,12 @@ the token iterator), and its slot is free for the next step. Requests never wait
 to finish: a new one joins at the next step.
 
 Per-request state (sampler and its seeded RNG, RAS window, min/max length, decoded tokens) stays
-per request, so a request decoded in a batch yields the tokens it would yield alone (the logits
-of a row do not depend on the other rows; see tests/test_llm_batch.py).
+per request. With ``deterministic`` (``EngineConfig.deterministic``) every step runs all slots with
+the same shapes, so a row's logits are bit-identical whatever other rows share the step, and a
+request yields the tokens it yields alone, with any seed (tests/test_batch_invariance.py). Without
+it a step runs the active rows only: a row's logits may differ from its logits alone in the last
+bits (int4 engines: up to ~1e-6), which changes a sampled token when a random draw falls at a
+near-tie (measured: about one request in 1,000 under load; docs/determinism.md).
 
 CosyVoice2 and Fun-CosyVoice3 ONNX Runtime engines only (their Qwen2 LLM has GroupQueryAttention);
 CosyVoice 1 and TensorRT keep per-request decoding.
@@ -41,11 +45,14 @@ from ..runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
 from .llm import LLMStage
 from .sampling import Sampler, log_softmax
 
-__all__ = ["BatchedLLMStage", "DecodeScheduler", "DecodeStats", "DEFAULT_SLOTS", "DEFAULT_POSITIONS"]
+__all__ = [
+    "BatchedLLMStage", "DecodeScheduler", "DecodeStats", "DEFAULT_SLOTS", "DEFAULT_POSITIONS", "DETERMINISTIC_DEFAULT",
+]
 
 _LOGGER = logging.getLogger(__name__)
 DEFAULT_SLOTS: Final = 8
 DEFAULT_POSITIONS: Final = 2048  # cached positions per slot (prompt + speech tokens)
+DETERMINISTIC_DEFAULT: Final = False  # EngineConfig.deterministic=None: see docs/determinism.md for the cost
 _END: Final = object()
 _IDLE_EXIT_S: Final = 30.0  # an idle loop ends its thread (the next request starts a new one)
 DECODE_NICE: Final = -5  # decode threads' nice value, relative to the process's (where it may raise it)
@@ -105,10 +112,10 @@ class DecodeScheduler:
         vocab: the speech vocabulary size of the logits.
     """
 
-    def __init__(self, model: OrtBatchLLM, slots: KVSlots, vocab: int):
+    def __init__(self, model: OrtBatchLLM, slots: KVSlots, vocab: int, deterministic: bool = False):
         _LIVE_SCHEDULERS.add(self)  # closed at interpreter exit (_close_live_schedulers)
         self.model, self.slots = model, slots
-        self._stepper = model.decoder(slots, vocab)
+        self._stepper = model.decoder(slots, vocab, fixed_shapes=deterministic)
         self._rows: list[_Row] = []  # _rows[i] lives in slot i
         self._pending: list[tuple[_Row, PrefillCache]] = []
         self._changed = threading.Condition()
@@ -130,6 +137,16 @@ class DecodeScheduler:
         self.pool_threads: tuple[int, ...] = ()
         """Native ids of the batched session's intra-op threads (they run the steps with the loop)."""
         self._applied: int | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        """Batch-invariant steps: every step over all slots with the same shapes (the stepper's
+        ``fixed_shapes``); set it before requests decode (a change applies from the next step)."""
+        return bool(self._stepper.fixed_shapes)
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        self._stepper.fixed_shapes = bool(value)
 
     @property
     def active(self) -> int:
@@ -320,6 +337,7 @@ class BatchedLLMStage(LLMStage):
         tables, config: as ``LLMStage``.
         slots: KV slots = batch size cap (default: ``DEFAULT_SLOTS``).
         positions: cached positions per slot (default: ``DEFAULT_POSITIONS``).
+        deterministic: batch-invariant decode steps (``DecodeScheduler.deterministic``).
     """
 
     def __init__(
@@ -330,13 +348,14 @@ class BatchedLLMStage(LLMStage):
         config: LLMConfig,
         slots: int = DEFAULT_SLOTS,
         positions: int = DEFAULT_POSITIONS,
+        deterministic: bool = False,
     ):
         super().__init__(runner, tables, config)
         qwen = config.qwen
         self._shape = (qwen.num_layers, qwen.num_kv_heads, qwen.head_dim)
         before = _thread_ids()
         self.batch_model, kv = self._batch_backend(batch_runner, slots, positions)
-        self.scheduler = DecodeScheduler(self.batch_model, kv, config.speech_vocab_size)
+        self.scheduler = DecodeScheduler(self.batch_model, kv, config.speech_vocab_size, deterministic)
         self.scheduler.pool_threads = tuple(sorted(_thread_ids() - before))  # the new session's threads
         _LOGGER.debug(
             "batched LLM decoding: %d slots of %d positions (%.0f MiB reserved)", slots, positions, kv.nbytes / 2**20
