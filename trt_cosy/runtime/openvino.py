@@ -33,8 +33,8 @@ from typing import Any, Final
 import numpy as np
 
 from ..errors import EngineMismatchError, InputError, require
+from .cpu_budget import default_threads
 from .lazy import LazyRunner
-from .ort import default_threads
 
 __all__ = [
     "OV_BACKEND",
