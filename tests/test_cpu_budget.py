@@ -226,3 +226,23 @@ def test_claimed_slots_are_disjoint_and_freed_when_the_holder_exits(tmp_path: Pa
     assert claim_slot(plan, "app", locks).index == 0  # the holder exited: its slot is free again
     while cpu_budget._held_slots:  # noqa: SLF001 - drop this test's locks (closing a file frees its lock)
         cpu_budget._held_slots.pop().close()
+
+
+def test_ray_replicas_reserve_the_cpus_they_pin(tmp_path: Path) -> None:
+    from trt_cosy.serving.ray_app import RayServeOptions, cpu_share
+
+    cpus = fake_machine(tmp_path / "smt", sockets=2, cores=8, smt=2)
+    budget = read_budget(tmp_path / "smt", affinity=cpus)
+    options = RayServeOptions(engines=tmp_path, replicas=2)
+    share = cpu_share(options, budget)
+    assert (share.threads, share.num_cpus, share.replicas) == (8, 16.0, 2)  # 8 cores with their siblings
+    autoscaled = cpu_share(RayServeOptions(engines=tmp_path, autoscale=(1, 4)), budget)
+    assert (autoscaled.threads, autoscaled.num_cpus, autoscaled.replicas) == (4, 8.0, 4)  # planned for the max
+    crowded = cpu_share(RayServeOptions(engines=tmp_path, replicas=64), budget)
+    assert crowded.threads == 1 and crowded.num_cpus == 0.5  # shared cores: an even part of the CPUs
+
+    fake_machine(tmp_path / "pod", sockets=2, cores=32, smt=1)
+    cgroup_v2(tmp_path / "pod", "/kubepods/pod", "400000 100000")
+    pod = read_budget(tmp_path / "pod", affinity=range(64))
+    share = cpu_share(RayServeOptions(engines=tmp_path, replicas=2), pod)
+    assert (share.threads, share.num_cpus) == (2, 2.0)

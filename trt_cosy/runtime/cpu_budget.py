@@ -41,6 +41,7 @@ __all__ = [
     "parse_cpu_list",
     "pin_process",
     "claim_slot",
+    "pin_replica",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -394,3 +395,23 @@ def claim_slot(plan: ReplicaPlan, key: str, lock_dir: str | Path | None = None) 
         _held_slots.append(handle)
         return slot
     return None
+
+
+def pin_replica(replicas: int, threads: int | None, key: str) -> ReplicaSlot | None:
+    """Claim this replica's slot of ``read_budget().plan(replicas, threads)`` (``claim_slot`` on ``key``)
+    and pin this process to its cores; the caller loads its engines with ``slot.threads``.
+
+    None (and no pinning) when every slot is held: more replicas on this machine than planned.
+    """
+    budget = read_budget()
+    plan = budget.plan(replicas, threads)
+    slot = claim_slot(plan, key)
+    if slot is None:
+        _LOGGER.warning("%s: all %d CPU slots on this machine are taken; this replica runs unpinned", key,
+                        len(plan.slots))
+        return None
+    pin_process(slot.cpus)
+    _LOGGER.info("%s: replica slot %d of %d pinned to CPUs %s, %d thread(s) per graph%s", key, slot.index,
+                 len(plan.slots), format_cpu_list(slot.cpus), slot.threads,
+                 " (sharing cores: more replicas than cores)" if plan.shared else "")
+    return slot
