@@ -140,10 +140,8 @@ async def _accept(server: Any, sock: socket.socket, gate: _Gate) -> None:
             except TimeoutError:
                 pass
             continue
-        try:
-            connection, peer = await asyncio.wait_for(loop.sock_accept(sock), 0.5)
-        except TimeoutError:
-            continue
+        try:  # no timeout here (a wait_for could drop a just-accepted socket): stopping cancels this task
+            connection, peer = await loop.sock_accept(sock)
         except OSError as exc:  # EMFILE and the like: back off, keep serving the open connections
             _LOGGER.warning("accept failed: %s", exc)
             await asyncio.sleep(0.1)
@@ -193,8 +191,8 @@ def serve_app_worker(tts: Any, settings: Any, sock: socket.socket, busy: Any, in
 
 def _worker_main(index: int, cpus: tuple[int, ...], threads: int, sock: socket.socket, busy: Any,
                  serve_one: Callable[..., None], options: dict[str, Any]) -> None:
-    """A worker process: pin, then load and serve (``serve_one(threads=, sock=, busy=, index=, **options)``)."""
-    pin_process(cpus)
+    """A worker process (started pinned): load and serve (``serve_one(threads=, sock=, busy=, index=, **options)``)."""
+    pin_process(cpus)  # already inherited at start; again for any thread started before this point
     logging.basicConfig(level=logging.INFO, format=f"[worker {index}] %(levelname)s %(name)s: %(message)s")
     _LOGGER.info("worker %d (pid %d) pinned to CPUs %s, %d threads per graph", index, os.getpid(),
                  format_cpu_list(cpus), threads)
@@ -219,7 +217,7 @@ def run_workers(plan: ReplicaPlan, host: str, port: int, serve_one: Callable[...
             target=_worker_main, name=f"trt-cosy-worker-{slot.index}",
             args=(slot.index, slot.cpus, slot.threads, sock, busy, serve_one, options),
         )
-        process.start()
+        _start_pinned(process, slot.cpus)
         processes.append(process)
         progress(f"worker {slot.index}: pid {process.pid}, CPUs {format_cpu_list(slot.cpus)}, "
                  f"{slot.threads} thread(s) per graph")
@@ -243,6 +241,17 @@ def run_workers(plan: ReplicaPlan, host: str, port: int, serve_one: Callable[...
         _stop(processes)
         sock.close()
     return code
+
+
+def _start_pinned(process: Any, cpus: tuple[int, ...]) -> None:
+    """Start ``process`` already pinned to ``cpus``: the child inherits the affinity of the thread that
+    forks it, so the thread pools its imports start (OpenBLAS) size themselves to its cores too."""
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)  # this thread only; the parent's other threads keep their CPUs
+    try:
+        process.start()
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 def _stop(processes: list, timeout_s: float = 20.0) -> None:
