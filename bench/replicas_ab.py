@@ -11,6 +11,11 @@ Setups (each started fresh every round, rounds interleaved so machine load hits 
 
 Two clients send --requests requests each (the same texts and seeds in every setup, so every setup
 makes the same audio); each client talks to its own port where a setup has two. Loopback only.
+
+Reported per round: audio seconds per wall second, and audio seconds per CPU second of every process of
+the setup (the servers and all their descendants: Ray's raylet and replicas, the workers). On a machine
+that other jobs load, the wall figure depends on how much CPU the scheduler gave the setup (a setup with
+more runnable threads gets a larger share); the CPU figure is what the setup did with the CPU it got.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +63,7 @@ def start(setup: str, engines: Path, voices: Path) -> tuple[list[subprocess.Pope
         port = free_port()
         extra = ["--workers", "2"] if setup == "workers" else ["--ray", "--replicas", "2"]
         process = subprocess.Popen([*serve, "--port", str(port), *extra], env=env, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, start_new_session=True)
+                                   stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         return [process], [url, url]
     processes, urls = [], []
@@ -66,8 +72,7 @@ def start(setup: str, engines: Path, voices: Path) -> tuple[list[subprocess.Pope
         prefix = ["taskset", "-c", str(cpu)] if setup == "taskset" else []
         threads = ["--threads", "1"] if setup == "taskset" else []
         processes.append(subprocess.Popen([*prefix, *serve, "--port", str(port), *threads], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          start_new_session=True))
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
     return processes, urls
 
@@ -85,7 +90,13 @@ def wait_ready(urls: list[str], processes: list[subprocess.Popen], timeout_s: fl
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-    run_clients(urls, 1, seed_base=1000)  # warm-up: one request per client (ray/workers: both replicas)
+    while True:  # warm-up: one request per client (ray/workers: both replicas), until none is still warming
+        try:
+            run_clients(urls, 1, seed_base=1000)
+            return
+        except AssertionError as error:
+            assert "503" in str(error) and time.monotonic() < deadline, error
+            time.sleep(2)
 
 
 def run_clients(urls: list[str], requests: int, seed_base: int = 0) -> tuple[float, float, list[str]]:
@@ -118,16 +129,47 @@ def run_clients(urls: list[str], requests: int, seed_base: int = 0) -> tuple[flo
     return sum(audio), wall, names
 
 
+def _tree_cpu_s(roots: list[int]) -> tuple[float, int]:
+    """(user + system CPU seconds, sessions) of ``roots`` and all their living descendants (children's
+    reaped time included through cutime/cstime). With the kernel's autogroup scheduling each session is
+    one scheduling group: under load, a setup spread over more sessions gets more CPU."""
+    parent_of: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent_of[int(entry)] = int(fields[1])
+        stats[int(entry)] = fields
+    members = set(roots)
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parent_of.items():
+            if parent in members and pid not in members:
+                members.add(pid)
+                grew = True
+    ticks = os.sysconf("SC_CLK_TCK")
+    # fields after ")": state ppid pgrp session ... utime=[11] stime=[12] cutime=[13] cstime=[14]
+    cpu = sum(sum(int(stats[pid][index]) for index in (11, 12, 13, 14)) for pid in members if pid in stats)
+    return cpu / ticks, len({stats[pid][3] for pid in members if pid in stats})
+
+
 def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to each server command (it stops its workers / its local Ray), then wait."""
     for process in processes:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
+            process.send_signal(signal.SIGTERM)
     for process in processes:
         try:
-            process.wait(60)
+            process.wait(90)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            process.kill()
             process.wait(10)
+    time.sleep(5)  # let what the servers started finish exiting before the next setup
 
 
 def main() -> None:
@@ -149,19 +191,26 @@ def main() -> None:
                 try:
                     wait_ready(urls, processes)
                     load = os.getloadavg()[0]
+                    roots = [process.pid for process in processes]
+                    cpu_before, _ = _tree_cpu_s(roots)
                     audio, wall, names = run_clients(urls, args.requests)
+                    cpu_after, sessions = _tree_cpu_s(roots)
+                    cpu = cpu_after - cpu_before
                 finally:
                     stop(processes)
                 row = {"round": round_index, "audio_s": round(audio, 2), "wall_s": round(wall, 2),
-                       "audio_per_s": round(audio / wall, 3), "replicas_used": len(set(names)),
+                       "audio_per_s": round(audio / wall, 3), "cpu_s": round(cpu, 2),
+                       "audio_per_cpu_s": round(audio / cpu, 3) if cpu > 0 else None,
+                       "replicas_used": len(set(names)), "sessions": sessions,
                        "load_1min": round(load, 2)}
                 results[setup].append(row)
                 print(setup, json.dumps(row), flush=True)
-    summary = {setup: round(sum(r["audio_per_s"] for r in rows) / len(rows), 3) for setup, rows in results.items()}
-    print("mean audio s per s:", json.dumps(summary))
+    summary = {setup: {key: round(statistics.median(r[key] for r in rows), 3)
+                       for key in ("audio_per_s", "audio_per_cpu_s")} for setup, rows in results.items()}
+    print("medians:", json.dumps(summary))
     report = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "engines": str(args.engines), "requests_per_client": args.requests, "rounds": results,
-              "mean_audio_per_s": summary}
+              "medians": summary}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -58,15 +58,19 @@ class _Gate:
 
     def __init__(self, capacity: int, busy: Any, index: int):
         self.capacity, self.shared, self.index = capacity, busy, index
+        self.ready = False  # warmed up: until then -1 in ``shared``
         self.in_flight = 0
         self.fresh: set[tuple] = set()
         self.changed = asyncio.Event()
 
     def update(self) -> None:
-        self.shared[self.index] = self.in_flight + len(self.fresh)
+        if self.ready:
+            self.shared[self.index] = self.in_flight + len(self.fresh)
         self.changed.set()
 
     def may_accept(self) -> bool:
+        if not self.ready:  # warming up: answer (503 "warming up", /health probes) only while no worker is ready
+            return all(self.shared[index] < 0 for index in range(len(self.shared)))
         if self.in_flight + len(self.fresh) < self.capacity:
             return True
         # Every worker full (or still loading): accept anyway, so the app's queue and 429 apply
@@ -116,8 +120,9 @@ def _tracked_protocol(base: type, gate: _Gate) -> type:
     return TrackedProtocol
 
 
-async def _accept(server: Any, sock: socket.socket, gate: _Gate) -> None:
-    """Accept connections on the shared socket while ``gate`` allows, handing them to uvicorn."""
+async def _accept(server: Any, sock: socket.socket, gate: _Gate, is_ready: Callable[[], bool]) -> None:
+    """Accept connections on the shared socket while ``gate`` allows, handing them to uvicorn; the worker
+    counts as ready (for the parent and the other workers) once ``is_ready()`` (its warm-up is done)."""
     loop = asyncio.get_running_loop()
     while not server.started:
         if server.should_exit:
@@ -131,30 +136,54 @@ async def _accept(server: Any, sock: socket.socket, gate: _Gate) -> None:
                         _loop=loop)
 
     sock.setblocking(False)
-    gate.update()  # ready: the parent and the other workers see this worker's load from now on
-    while not server.should_exit:
+    fd = sock.fileno()
+
+    async def serve_connection(connection: socket.socket, peer: tuple) -> None:
+        try:
+            await loop.connect_accepted_socket(make_protocol, connection)
+        except OSError as exc:
+            _LOGGER.info("connection from %s lost at once: %s", peer, exc)
+            gate.fresh.discard(peer)
+            gate.update()
+
+    def on_readable() -> None:
+        # Checked before every accept: a connection is taken only while the gate allows it (the reader
+        # is removed otherwise), so no socket is ever accepted and then dropped.
         if not gate.may_accept():
+            return
+        try:
+            connection, address = sock.accept()
+        except (BlockingIOError, InterruptedError):  # another worker took it
+            return
+        except OSError as exc:  # EMFILE and the like: keep serving the open connections
+            _LOGGER.warning("accept failed: %s", exc)
+            return
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = tuple(address[:2])
+        gate.fresh.add(peer)
+        gate.update()
+        loop.create_task(serve_connection(connection, peer))
+
+    listening = False
+    try:
+        while not server.should_exit:
+            if not gate.ready and is_ready():
+                gate.ready = True
+                gate.update()  # the parent and the other workers see this worker's load from now on
+            wanted = gate.may_accept()
+            if wanted and not listening:
+                loop.add_reader(fd, on_readable)
+            elif listening and not wanted:
+                loop.remove_reader(fd)
+            listening = wanted
             gate.changed.clear()
             try:
                 await asyncio.wait_for(gate.changed.wait(), _POLL_S)
             except TimeoutError:
                 pass
-            continue
-        try:  # no timeout here (a wait_for could drop a just-accepted socket): stopping cancels this task
-            connection, peer = await loop.sock_accept(sock)
-        except OSError as exc:  # EMFILE and the like: back off, keep serving the open connections
-            _LOGGER.warning("accept failed: %s", exc)
-            await asyncio.sleep(0.1)
-            continue
-        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        gate.fresh.add(tuple(peer[:2]))
-        gate.update()
-        try:
-            await loop.connect_accepted_socket(make_protocol, connection)
-        except OSError as exc:
-            _LOGGER.info("connection from %s lost at once: %s", peer, exc)
-            gate.fresh.discard(tuple(peer[:2]))
-            gate.update()
+    finally:
+        if listening:
+            loop.remove_reader(fd)
 
 
 def serve_worker_socket(app: Any, config_for: Callable[[Any], Any], sock: socket.socket, capacity: int,
@@ -166,7 +195,8 @@ def serve_worker_socket(app: Any, config_for: Callable[[Any], Any], sock: socket
     async def main() -> None:
         gate = _Gate(capacity, busy, index)
         server = uvicorn.Server(config_for(_CountRequests(app, gate)))
-        accepting = asyncio.ensure_future(_accept(server, sock, gate))
+        state = getattr(getattr(app, "state", None), "server", None)  # create_app's ServerState
+        accepting = asyncio.ensure_future(_accept(server, sock, gate, lambda: getattr(state, "ready", True)))
         try:
             await server.serve(sockets=[])  # no listener of its own: _accept hands it the connections
         finally:
