@@ -80,6 +80,23 @@ def _wait_for_replicas(url: str, count: int, timeout_s: float = 180.0) -> None:
             time.sleep(0.2)
 
 
+@pytest.mark.slow
+def test_replicas_are_pinned_to_disjoint_cores(ray_url):
+    """Each replica claimed its own slot of the machine's plan (threads=1: one core each) before loading."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two pinned replicas need two CPUs in this process's affinity mask")
+    import httpx
+
+    seen: set[str] = set()
+    for _ in range(60):  # idle replicas: Ray's router picks either at random
+        seen.add(httpx.get(ray_url + "/health", timeout=60).headers[REPLICA_HEADER])
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2, seen
+    masks = [os.sched_getaffinity(int(name.split("@")[0])) for name in sorted(seen)]
+    assert [len(mask) for mask in masks] == [1, 1] and not masks[0] & masks[1], masks
+
+
 def _speak(client, text: str, seed: int, stream: bool) -> tuple[bytes, str]:
     body = dict(model="tts-1", voice="alice", input=text, response_format="pcm")
     if stream:

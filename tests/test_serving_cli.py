@@ -15,6 +15,7 @@ def test_ray_options_need_ray_and_one_scale(tmp_path):
         ("--ray", "--replicas", "2", "--autoscale", "1:2"): "only one of --replicas, --autoscale",
         ("--ray", "--autoscale", "3:1"): "MIN <= MAX",
         ("--ray", "--autoscale", "two"): "use MIN:MAX",
+        ("--ray", "--workers", "2"): "with --ray use --replicas",
     }
     for args, message in cases.items():
         result = runner.invoke(main, [*engines, *args])

@@ -70,6 +70,8 @@ def test_triton_repo_command_writes_a_decoupled_cpu_model(engines, tmp_path):
     config = (tmp_path / "repo" / "trt_cosy" / "config.pbtxt").read_text()
     assert "decoupled: true" in config and "count: 3 kind: KIND_CPU" in config, config
     assert "max_queue_size: 5" in config and f'string_value: "{engines.resolve()}"' in config, config
+    assert 'key: "cpu_instances" value: { string_value: "3" }' in config, config  # instances pin at load
+    assert "3 instance(s) x " in config and "each pinned at load to its own cores" in config, config
     assert not (tmp_path / "repo" / "trt_cosy" / "1" / "manifest.json").exists()  # referenced, not copied
     model_py = (tmp_path / "repo" / "trt_cosy" / "1" / "model.py").read_text()
     assert "from trt_cosy.serving.triton_model import TritonPythonModel" in model_py
@@ -164,6 +166,29 @@ def expected_chunks(tts, voice, text=TEXT, seed=7, stream=False) -> list[np.ndar
 
 
 @pytest.mark.slow
+def _stub_pids(server, model: str) -> list[int]:
+    """The Python-backend stub processes of ``model``'s instances (children of the server)."""
+    children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+    pids = []
+    for pid in map(int, children):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(f"/{model}/1/model.py".encode()) for arg in argv):
+            pids.append(pid)
+    return pids
+
+
+def test_cpu_instances_are_pinned_to_disjoint_cores(triton):
+    server, _ = triton
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two pinned instances need two CPUs in this process's affinity mask")
+    masks = [os.sched_getaffinity(pid) for pid in _stub_pids(server, STREAMED)]
+    # 2 instances x --threads 1: one core each, apart.
+    assert len(masks) == 2 and [len(mask) for mask in masks] == [1, 1] and not masks[0] & masks[1], masks
+
+
 def test_streaming_chunks_equal_the_python_api(triton, tts):
     server, voices = triton
     from trt_cosy.frontend.voice import Voice

@@ -54,10 +54,10 @@ from ..errors import InputError
 from ..families import build_stages, request_class
 from ..frontend.voice import Voice
 from ..runtime import heap
+from ..runtime.cpu_budget import default_threads
 from ..runtime.engines import TOKENIZER_DIR, load_engines
 from ..runtime.manifest import Manifest
 from ..runtime.model import LoadedModel
-from ..runtime.ort import default_threads
 from ..stages.flow import FlowStage
 from ..stages.llm import LLMStage
 from ..stages.vocoder import VocoderStage

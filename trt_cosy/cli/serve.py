@@ -68,6 +68,8 @@ def ray_serve_options(serve_command):
             raise click.UsageError("pass only one of --replicas, --autoscale.")
         if options.get("deterministic") is not None:
             raise click.UsageError("--deterministic/--no-deterministic are not passed to Ray replicas (they use the default).")
+        if options.get("workers") is not None:
+            raise click.UsageError("--workers is for one machine without Ray; with --ray use --replicas.")
         if options.get("engines") is None:
             raise click.UsageError(
                 "--ray needs --engines: an engines directory every replica loads (`trt-cosy build --out DIR`)."
@@ -108,7 +110,11 @@ def ray_serve_options(serve_command):
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of stored voices (default: the trt-cosy cache, voices/<model id>).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per graph.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads per graph (default: the usable cores, or a worker's share of them).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Server processes behind the one port, each pinned to its own whole cores (one thread per "
+                   "core, within one NUMA node where they fit). Default: one process, unpinned.")
 @click.option("--max-concurrent", type=click.IntRange(min=1), default=1, show_default=True,
               help="Syntheses running at once.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=8, show_default=True,
@@ -129,8 +135,9 @@ def ray_serve_options(serve_command):
 @backend_option()
 @ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
-          threads: int | None, max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None,
-          stream_speech: bool, max_segment_tokens: int, deterministic: bool | None, backend: str) -> None:
+          threads: int | None, workers: int | None, max_concurrent: int, max_queue: int, timeout_s: float,
+          api_key: str | None, stream_speech: bool, max_segment_tokens: int, deterministic: bool | None,
+          backend: str) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from ..errors import require
 
@@ -142,6 +149,15 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     from ..tts import CosyVoice
 
     engines = engines_or_model_dir(engines, model_dir, backend)
+    if workers is not None and workers > 1:
+        if deterministic is not None:
+            raise click.UsageError("--deterministic/--no-deterministic are not passed to --workers processes yet.")
+        _serve_workers(engines, backend, workers, threads, dict(
+            voices_dir=voices_dir, host=host, port=port, max_concurrent=max_concurrent, max_queue=max_queue,
+            request_timeout_s=timeout_s, api_key=api_key, stream_speech=stream_speech,
+            max_segment_tokens=max_segment_tokens,
+        ))
+        return
     # The shared LLM decode loop gets one KV slot per synthesis the server runs at once.
     config = EngineConfig(threads=threads, llm_slots=max_concurrent, deterministic=deterministic)
     tts = CosyVoice.load(engines, backend=backend, config=config)
@@ -153,3 +169,32 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
     click.echo(f"playground: http://{host}:{port}/" + ("" if api_key is None else " (API key required)"), err=True)
     run_server(tts, settings)
+
+
+def _serve_workers(engines: Path, backend: str, workers: int, threads: int | None, settings: dict) -> None:
+    """``serve --workers N``: N pinned processes on one port (``server.workers``); exits with their error."""
+    from ..server.workers import run_workers, worker_plan
+
+    plan = worker_plan(workers, threads)
+    click.echo(f"serving {engines} on http://{settings['host']}:{settings['port']} with {workers} workers "
+               f"(Ctrl-C stops): {plan.describe()}", err=True)
+    code = run_workers(plan, settings["host"], settings["port"], _serve_worker,
+                       {"engines": str(engines), "backend": backend, "settings": settings},
+                       progress=lambda message: click.echo(message, err=True))
+    if code:
+        raise SystemExit(code)
+
+
+def _serve_worker(threads: int, sock, busy, index: int, engines: str, backend: str, settings: dict) -> None:
+    """One ``--workers`` process (already pinned): load the engines with ``threads`` and serve ``sock``."""
+    from ..download import cache_root
+    from ..server import ServerSettings
+    from ..server.workers import serve_app_worker
+    from ..synthesis import EngineConfig
+    from ..tts import CosyVoice
+
+    tts = CosyVoice.load(engines, backend=backend,
+                         config=EngineConfig(threads=threads, llm_slots=settings["max_concurrent"]))
+    settings = dict(settings)
+    settings["voices_dir"] = settings["voices_dir"] or cache_root() / "voices" / tts.model_id
+    serve_app_worker(tts, ServerSettings(**settings), sock, busy, index)

@@ -34,8 +34,8 @@ import numpy as np
 
 from ..errors import EngineMismatchError, InputError, require
 from .base import cast_input
+from .cpu_budget import default_threads
 from .lazy import LazyRunner
-from .ort import default_threads
 
 __all__ = [
     "OV_BACKEND",

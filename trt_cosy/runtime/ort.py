@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import EngineMismatchError, InputError, MissingDependencyError, ModelDirError, require
 from . import heap, run_scope
 from .base import cast_input
+from .cpu_budget import default_threads
 from .lazy import LazyRunner
 
 __all__ = [
@@ -21,14 +22,12 @@ __all__ = [
     "LazyOrtRunner",
     "OrtKVDecoder",
     "default_threads",
-    "physical_cores",
     "use_shared_arena",
     "check_engine_runtime",
     "MIN_ENGINE_ORT",
 ]
 
 _LOGGER = logging.getLogger(__name__)
-_CPU_SYSFS: Final = Path("/sys/devices/system/cpu")
 # LLM-contract outputs a decoder binds (``hidden`` is left unbound: ORT does not return it).
 _DECODER_OUTPUTS: Final = ("logits", "present_keys", "present_values")
 _SHARED_ARENA_LOCK: Final = threading.Lock()
@@ -42,36 +41,6 @@ MIN_ENGINE_ORT: Final = (1, 22)
 _VOCODER_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift"})
 _SHRINK_AFTER_GRAPHS: Final = _VOCODER_GRAPHS | {"flow_encoder", "v1_flow_encoder"}
 _shared_arena_state: list[bool] = []  # [registered?] once tried: one process-wide CPU arena
-
-
-def physical_cores() -> int | None:
-    """Physical cores among the CPUs this process may run on (Linux sysfs), or None when unknown.
-
-    SMT siblings share one core's FMA units, so they count once: a second thread per core only adds
-    contention to kernels that already saturate them.
-    """
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-    cores = set()
-    for cpu in cpus:
-        try:
-            cores.add((_CPU_SYSFS / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip())
-        except OSError:
-            return None
-    return len(cores) or None
-
-
-def default_threads() -> int:
-    """Intra-op threads per session: the physical cores this process may use (at least 1).
-
-    Where the topology is unknown (no Linux sysfs), half the logical CPUs, assuming 2-way SMT.
-    """
-    cores = physical_cores()
-    if cores is not None:
-        return max(1, cores)
-    return max(1, (os.cpu_count() or 2) // 2)
 
 
 def check_engine_runtime(version: str) -> None:

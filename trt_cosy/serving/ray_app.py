@@ -5,7 +5,9 @@
 
 Every replica loads the engines once, builds the same FastAPI app as ``trt-cosy serve`` (same routes,
 streaming, stored voices, limits) and answers with an ``X-Trt-Cosy-Replica`` header naming itself.
-TensorRT engines get one GPU per replica (``num_gpus=1``); ONNX Runtime engines ``threads`` CPUs.
+TensorRT engines get one GPU per replica (``num_gpus=1``). ONNX Runtime engines share the machine's CPU
+budget (``runtime/cpu_budget``): each replica claims its own whole cores on its node at start, pins itself
+to them and runs one thread per core, and Ray reserves those CPUs for it (``cpu_share``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any, Final
 
 from ..errors import InputError
 
-__all__ = ["RayServeOptions", "build_app", "deployment_for", "run_ray_serve", "REPLICA_HEADER"]
+__all__ = ["RayServeOptions", "CpuShare", "build_app", "cpu_share", "deployment_for", "run_ray_serve",
+           "REPLICA_HEADER"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -40,7 +43,8 @@ class RayServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     threads: int | None = None
-    """CPU threads per graph in each replica (and the CPUs Ray reserves for it with ONNX Runtime engines)."""
+    """CPU threads (whole cores) per graph in each replica; None: the usable cores divided among the
+    replicas (``cpu_share``)."""
     max_concurrent: int = 1
     max_queue: int = 8
     request_timeout_s: float = 300.0
@@ -76,15 +80,46 @@ class _ReplicaHeader:
         await self.app(scope, receive, named)
 
 
+@dataclass(frozen=True)
+class CpuShare:
+    """What each replica of a CPU deployment gets: its threads (= whole cores), Ray's reservation, and
+    the slots planned per machine (replicas pin to disjoint ones, ``cpu_budget.pin_replica``)."""
+
+    threads: int
+    num_cpus: float
+    """Logical CPUs reserved in Ray: the replica's cores with their SMT siblings."""
+    replicas: int
+
+
+def cpu_share(options: RayServeOptions, budget: Any = None) -> CpuShare:
+    """The CPU share of each replica on ``budget`` (default: this machine's, ``read_budget()``)."""
+    from ..runtime.cpu_budget import read_budget
+
+    budget = budget if budget is not None else read_budget()
+    replicas = options.autoscale[1] if options.autoscale is not None else options.replicas
+    plan = budget.plan(replicas, options.threads)
+    if plan.shared:  # more replicas than cores: reserve an even part of the CPUs, so all can start
+        num_cpus = round(len(budget.cpus) / replicas, 2) or 0.01
+    else:
+        num_cpus = float(len(plan.slots[0].cpus))
+    return CpuShare(threads=plan.threads, num_cpus=num_cpus, replicas=replicas)
+
+
 class TrtCosyReplica:
     """One replica: the loaded engine and the app around it (Ray builds the app after ``__init__``)."""
 
-    def __init__(self, engines: str, settings: dict[str, Any], threads: int | None):
+    def __init__(self, engines: str, settings: dict[str, Any], threads: int | None,
+                 cpu: dict[str, Any] | None = None):
         from ..runtime.manifest import Manifest
         from ..synthesis import EngineConfig
         from ..tts import CosyVoice
 
         started = time.perf_counter()
+        if cpu is not None:  # ONNX Runtime engines: pin to this replica's cores before loading
+            from ..runtime.cpu_budget import pin_replica
+
+            slot = pin_replica(cpu["replicas"], cpu["threads"], cpu["key"])
+            threads = slot.threads if slot is not None else cpu["threads"]
         self.tts = CosyVoice.load(engines, backend=Manifest.read(Path(engines)).backend,
                                   config=EngineConfig(threads=threads))
         self.settings = dict(settings)
@@ -136,7 +171,13 @@ def deployment_for(options: RayServeOptions) -> Any:
         low, high = options.autoscale
         scale = {"autoscaling_config": {"min_replicas": low, "max_replicas": high,
                                         "target_ongoing_requests": options.max_concurrent}}
-    actor = {"num_gpus": 1} if gpu else {"num_cpus": options.threads or 1}
+    cpu = None
+    if gpu:
+        actor: dict[str, Any] = {"num_gpus": 1}
+    else:
+        share = cpu_share(options)
+        actor = {"num_cpus": share.num_cpus}
+        cpu = {"replicas": share.replicas, "threads": share.threads, "key": f"ray-{APP_NAME}-{options.port}"}
     deployment = serve.deployment(serve.ingress()(TrtCosyReplica)).options(
         name="TrtCosy",
         ray_actor_options=actor,
@@ -144,7 +185,7 @@ def deployment_for(options: RayServeOptions) -> Any:
         max_ongoing_requests=options.max_concurrent + options.max_queue,
         **scale,
     )
-    return deployment.bind(str(engines), settings, options.threads)
+    return deployment.bind(str(engines), settings, options.threads, cpu)
 
 
 def build_app(args: dict[str, str]) -> Any:

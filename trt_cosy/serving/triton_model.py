@@ -9,6 +9,7 @@ with a Triton error carrying the CLI's message; the instance keeps serving.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -61,6 +62,22 @@ def _pin_gpu(args: dict[str, Any]) -> None:
     _LOGGER.info("instance %s uses GPU %s", args.get("model_instance_name"), os.environ["CUDA_VISIBLE_DEVICES"])
 
 
+def _pin_cpu(args: dict[str, Any], parameters: dict[str, str], threads: int | None) -> int | None:
+    """KIND_CPU: pin this instance's stub process to its own cores (its slot of the machine's plan for
+    ``cpu_instances`` instances, ``cpu_budget.pin_replica``); returns the threads per graph to load with."""
+    if args.get("model_instance_kind") != "CPU" or not parameters.get("cpu_instances"):
+        return threads
+    from ..runtime.cpu_budget import pin_replica
+
+    # One key per model of one repository, the same in every instance's stub process.
+    repository = hashlib.sha1(str(args.get("model_repository", "")).encode()).hexdigest()[:12]
+    key = f"triton-{args.get('model_name', 'model')}-{repository}"
+    slot = pin_replica(int(parameters["cpu_instances"]), threads, key)
+    if slot is None:
+        return threads
+    return slot.threads
+
+
 class TritonPythonModel:
     """Triton's entry points: ``initialize``, ``execute``, ``finalize``."""
 
@@ -76,6 +93,7 @@ class TritonPythonModel:
 
         engines = Path(parameters["engines"])
         threads = int(parameters["threads"]) if parameters.get("threads") else None
+        threads = _pin_cpu(args, parameters, threads)
         backend = Manifest.read(engines).backend
         tts = CosyVoice.load(engines, backend=backend, config=EngineConfig(threads=threads))
         voices = None

@@ -73,7 +73,8 @@ class TritonRepoOptions:
     """Decoupled transaction policy (streaming: one response per chunk). False: one response per request,
     for clients of Triton's HTTP ``infer`` endpoint, which refuses decoupled models."""
     threads: int | None = None
-    """CPU threads per graph of each instance; None: the engine's default."""
+    """CPU threads (whole cores) per graph of each instance; None: the usable cores of the serving
+    machine divided among the instances. KIND_CPU instances pin themselves to disjoint cores at load."""
     max_text_chars: int = 4096
     """Longest text accepted, in characters."""
     python_path: tuple[str, ...] = ()
@@ -127,6 +128,17 @@ def _instance_kind(device: str, backend: str) -> str:
     return "KIND_GPU" if device == "gpu" else "KIND_CPU"
 
 
+def _cpu_comment(options: TritonRepoOptions) -> str:
+    """How the CPU instances share the machine this repository was written on (the serving machine plans
+    again at load)."""
+    from ..runtime.cpu_budget import read_budget
+
+    budget = read_budget()
+    plan = budget.plan(options.instances, options.threads)
+    return (f"CPU plan where written ({budget.describe()}): {options.instances} instance(s) x {plan.threads} "
+            f"thread(s) per graph, each pinned at load to its own cores" + (" (sharing cores)" if plan.shared else ""))
+
+
 def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
     """The ``config.pbtxt`` text (protobuf text format)."""
     parameters = {
@@ -134,6 +146,8 @@ def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
         "voices_dir": str(Path(options.voices_dir).resolve()) if options.voices_dir is not None else "",
         "threads": str(options.threads or ""),
         "max_text_chars": str(options.max_text_chars),
+        # KIND_CPU: each instance claims its slot of the machine's CPU plan (cpu_budget) and pins to it.
+        "cpu_instances": str(options.instances) if kind == "KIND_CPU" else "",
     }
     inputs = ",\n".join(
         f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{" optional: true" if optional else ""} }}'
@@ -146,7 +160,8 @@ def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
     )
     return (
         f"# Written by `trt-cosy triton-repo`; engines are read from {engines} (mount it at this path).\n"
-        f'name: "{options.model_name}"\n'
+        + (f"# {_cpu_comment(options)}\n" if kind == "KIND_CPU" else "")
+        + f'name: "{options.model_name}"\n'
         'backend: "python"\n'
         "max_batch_size: 0\n"
         f"model_transaction_policy {{ decoupled: {str(options.decoupled).lower()} }}\n"
