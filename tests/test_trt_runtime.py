@@ -405,8 +405,38 @@ def test_activation_memory_is_per_context_and_grows_per_profile(fake_cuda):
     assert grown == [4096, 8192], runner.device_memory()
     ran = next(ctx for ctx in _slot_contexts(engine) if ctx.profile == 1)
     order = [(c[0], c[-1]) for c in ran.calls if c[0] in ("memory", "profile")]
-    assert order == [("memory", 4096), ("memory", 8192), ("profile", 1)], order  # memory before the switch
+    # grown before the switch, bound again after it (the fake drops the binding on every switch)
+    assert order == [("memory", 4096), ("memory", 8192), ("profile", 1), ("memory", 8192)], order
     assert engine.failures == []
+
+
+def test_the_activation_memory_is_bound_again_after_every_profile_switch(fake_cuda):
+    """Issue 29 item 6: re-bind set_device_memory after each switch, right before the launch."""
+    engine = toy_engine()
+    runner = TrtRunner(engine, "toy", PROFILES, trt=FAKE_TRT)
+    (context,) = _slot_contexts(engine)
+    for frames in (5, 40, 5, 40, 41):  # short, long, short, long, long (same profile: no switch)
+        x = np.full((1, frames, 4), float(frames), np.float32)
+        assert np.array_equal(runner.infer({"x": x})["y"], 2 * x)
+    kinds = [c[0] for c in context.calls if c[0] in ("profile", "memory", "execute")]
+    assert kinds.count("profile") == 4 and kinds.count("execute") == 5, " ".join(kinds)
+    for at, kind in enumerate(kinds):
+        if kind == "profile":  # the next call after every switch binds the memory, before any launch
+            assert kinds[at + 1] == "memory", kinds
+    assert engine.failures == []
+
+
+def test_the_fake_refuses_a_launch_without_memory_after_a_switch(fake_cuda):
+    """The pessimistic fake: a profile switch drops the set_device_memory binding."""
+    engine = toy_engine()
+    context = engine.create_execution_context(USER_MANAGED)
+    context.set_device_memory(1 << 20, 8192)
+    context.set_optimization_profile_async(1, 7)
+    context.set_input_shape("x", (1, 40, 4))
+    for name in ("x", "y"):
+        context.set_tensor_address(name, 256)
+    assert context.execute_async_v3(7) is False
+    assert "activation memory None" in engine.failures[-1]
 
 
 def _fake_trt_module(make_engine):

@@ -9,7 +9,9 @@ include/NvInferRuntime.h):
   separate optimization profile", ``class IExecutionContext``).
 * ``set_input_shape`` returns False for a shape outside the selected profile (or a "rejected" max
   shape: a stale plan) and the tensor's shape then reads as -1 dims from ``get_tensor_shape``.
-* A profile switch forgets the shapes and the bound addresses (the header promises neither survives).
+* A profile switch forgets the shapes, the bound addresses and the activation memory given with
+  ``set_device_memory`` (pessimistic: the header promises none of them survives; Polygraphy binds the
+  memory again right before every launch).
 * ``set_tensor_address`` returns False for an address that is not 256-byte aligned.
 * ``execute_async_v3`` returns False when an address is unset, when the launch stream is not the
   one the profile was switched on (unsynchronised streams), or, for ``USER_MANAGED`` contexts, when
@@ -80,7 +82,7 @@ class FakeContext:
         engine.selected = {k: v for k, v in engine.selected.items() if v() is not self}
         engine.selected[index] = weakref.ref(self)
         self.profile, self.profile_stream = index, stream
-        self.shapes, self.addresses = {}, {}
+        self.shapes, self.addresses, self.memory = {}, {}, None
         return True
 
     def set_input_shape(self, name: str, shape: Sequence[int]) -> bool:

@@ -121,7 +121,7 @@ class _Slot:
     first_profile: int  # the engine profile of this slot's local profile 0 (index · profiles per slot)
     workspace: DeviceBuffer  # the context's activation memory (USER_MANAGED), grow-only
     retired: list[tuple[DeviceBuffer, Event]] = field(default_factory=list)  # outgrown, maybe in use
-    memory_given: bool = False  # set_device_memory has been called
+    memory_bound: bool = False  # set_device_memory holds since the last profile switch
     device: dict[str, DeviceBuffer] = field(default_factory=dict)
     host: dict[str, PinnedBuffer] = field(default_factory=dict)
     profile: int = -1  # local profile index (into GraphProfiles.profiles)
@@ -307,6 +307,8 @@ class TrtRunner:
             if state.addresses.get(name) != ptr:
                 self._call(state.context.set_tensor_address(name, ptr), f"bind '{name}'")
                 state.addresses[name] = ptr
+        if not state.memory_bound:  # after every profile switch or growth, right before the launch
+            self._bind_workspace(state)
         self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
 
     def copy_outputs(self, slot: int = 0, names: Collection[str] | None = None) -> dict[str, np.ndarray]:
@@ -399,19 +401,26 @@ class TrtRunner:
         an event and freed once that event has passed (``_release_retired``), never with a host sync.
         """
         need = self._workspace_need[state.first_profile + profile]
-        if state.memory_given and need <= state.workspace.nbytes:
-            return
+        if need <= state.workspace.nbytes and (state.workspace.ptr or not need):
+            return  # it fits (enqueue binds it again after a switch)
         if state.workspace.ptr:
             state.retired.append((state.workspace, Event().record(state.stream)))
         state.workspace = DeviceBuffer(need)  # need 0: a null pointer, which the header allows
-        state.context.set_device_memory(state.workspace.ptr, state.workspace.nbytes)
-        state.memory_given = True
+        self._bind_workspace(state)
         _LOGGER.debug(
             "%s slot %d: %.1f MiB of activation memory",
             self.name,
             state.index,
             state.workspace.nbytes / 2**20,
         )
+
+    @staticmethod
+    def _bind_workspace(state: _Slot) -> None:
+        """``set_device_memory`` with the slot's block. The header does not say that the binding
+        survives ``setOptimizationProfileAsync``; Polygraphy's runner binds right before every
+        ``execute_async_v3``, and so does ``enqueue`` after every switch (``memory_bound``)."""
+        state.context.set_device_memory(state.workspace.ptr, state.workspace.nbytes)
+        state.memory_bound = True
 
     @staticmethod
     def _release_retired(state: _Slot, wait: bool = False) -> None:
@@ -435,9 +444,10 @@ class TrtRunner:
             state.profile = -1
             raise TrtCosyError(f"TensorRT failed to {what} for graph '{self.name}': {exc}") from exc
         self._call(ok, what)
-        # A profile switch invalidates the shapes; addresses are set again too (the header does not
-        # promise that they survive, and Polygraphy compares against get_tensor_address()).
+        # A profile switch invalidates the shapes; addresses and the activation memory are set again
+        # too (the header promises neither survives; Polygraphy re-binds both before every launch).
         state.profile, state.shapes, state.addresses = profile, {}, {}
+        state.memory_bound = False
 
     def _check_room(self, state: _Slot, name: str, nbytes: int) -> None:
         """Buffers never move after load (device pointers may be captured, e.g. by ``DeviceEulerLoop``)."""
