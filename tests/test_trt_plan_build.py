@@ -39,6 +39,8 @@ class _Profile:
         )
         if not ok:
             raise RuntimeError("Shape provided for min is inconsistent with other shapes.")
+        if 0 in tuple(opt):  # pessimistic: TensorRT tunes at opt; a zero-volume opt is refused here
+            raise RuntimeError("Shape provided for opt has a zero dimension.")
         self.shapes[name] = (tuple(low), tuple(opt), tuple(high))
 
 
@@ -235,3 +237,33 @@ def test_build_plans_records_slots_and_rebuilds_when_they_change(tmp_path, monke
     assert "kept" in messages[-1], messages
     trt_build.build_plans(tmp_path, slots=1, progress=messages.append)
     assert any("built for 2 slot(s), 1 wanted" in m for m in messages), messages
+
+
+def test_a_profile_with_an_empty_opt_shape_stops_the_build(tmp_path):
+    """Issue 29 item 7: tactics are tuned at opt; an opt with a zero dimension is refused before TensorRT."""
+    empty = GraphProfiles("toy", (ShapeProfile("prefill", {"x": ((1, 0, 4), (1, 0, 4), (1, 16, 4))}),))
+    trt = fake_tensorrt({"inputs": ["x"]})
+    with pytest.raises(TrtCosyError, match=r"profile 'prefill' has an empty opt shape for \['x'\]"):
+        trt_build.build_plan(_graph_file(tmp_path, ["x"]), tmp_path / "toy.plan", empty, trt=trt)
+    assert not (tmp_path / "toy.plan").exists() and trt.made["configs"][0].profiles == []
+
+
+@pytest.mark.parametrize("release", ["cosyvoice1-tiny", "cosyvoice2-tiny", "cosyvoice3-tiny"])
+def test_every_default_profile_has_a_non_empty_opt(release):
+    """Issue 29 item 7: the LLM prefill past length, the incremental estimator's long P and the HiFT
+    long cache had opt 0. Every profile TensorRT gets (llm_decode and the incremental estimator too)."""
+    from trt_cosy.models.registry import read_release_config
+    from trt_cosy.runtime.incremental_profiles import incremental_profiles
+    from trt_cosy.runtime.profiles import default_profiles, llm_decode_profiles
+
+    config = read_release_config(Path(__file__).parent / "data" / release)
+    graphs = default_profiles(config)
+    if config.family != "v1":
+        graphs["llm_decode"] = llm_decode_profiles(config)
+    if config.family == "v2":
+        graphs["flow_estimator_incremental"] = incremental_profiles(config)
+    empty = {f"{g}/{p.name}": p.empty_opt() for g, graph in graphs.items() for p in graph.profiles}
+    assert not {k: v for k, v in empty.items() if v}, empty
+    for graph in graphs.values():  # and the fake builder (refusing zero opt dims) accepts them all
+        for profile in graph.profiles:
+            profile.to_trt(SimpleNamespace(create_optimization_profile=_Profile))

@@ -336,6 +336,13 @@ def build_plan(
 def _add_profiles(builder: Any, config: Any, profiles: GraphProfiles, slots: int, onnx_path: Path) -> None:
     """Add every profile once per slot; TensorRT returns -1 for a profile it rejects (``NvInfer.h``,
     ``IBuilderConfig::addOptimizationProfile``) and the binding raises on inconsistent shapes."""
+    for profile in profiles.profiles:
+        empty = profile.empty_opt()
+        if empty:  # TensorRT tunes at opt: an empty opt tunes the plan for no work (issue 29 item 7)
+            raise TrtCosyError(
+                f"{onnx_path}: profile '{profile.name}' has an empty opt shape for {empty}; TensorRT tunes "
+                "its kernels at opt. Give every opt dimension at least 1 (runtime/profiles.py)."
+            )
     for slot in range(slots):
         for local, profile in enumerate(profiles.profiles):
             expected = slot * len(profiles.profiles) + local

@@ -95,6 +95,11 @@ class ShapeProfile:
                 return f"input '{key}' has shape {shape}; profile '{self.name}' allows {low} .. {high}"
         return None
 
+    def empty_opt(self) -> list[str]:
+        """Inputs whose opt shape has a zero dimension: TensorRT tunes its tactics at opt, so an empty
+        opt tunes for no work at all (issue 29 item 7); the builder refuses such a profile."""
+        return [name for name, (_, opt, _) in self.shapes.items() if 0 in opt]
+
     def fits(self, shapes: Mapping[str, Sequence[int]]) -> bool:
         return self.misfit(shapes) is None
 
@@ -236,7 +241,9 @@ def _llm_profiles(dims: tuple[int, int, int, int], limits: ProfileLimits) -> Gra
         cache = tuple((layers, 1, heads, p, head_dim) for p in past)  # [L, 1, H, P, Dh]
         return ShapeProfile(name, {"inputs_embeds": embeds, "past_keys": cache, "past_values": cache})  # type: ignore[dict-item]
 
-    profiles = [profile("prefill", _range(1, limits.prefill_opt, limits.max_prefill), (0, 0, 0))]
+    # Prefill runs at P = 0, but TensorRT tunes its tactics at opt, which must not be empty (issue 29
+    # item 7): opt and max P = 1, which the graph accepts (one past position); the runtime feeds P = 0.
+    profiles = [profile("prefill", _range(1, limits.prefill_opt, limits.max_prefill), (0, 1, 1))]
     step = (1, 1, limits.max_decode_step)
     # Buckets all start at P = 1: select() takes the first that fits, so a short cache gets the kernels
     # tuned for the small opt, and a larger bucket still accepts it.
@@ -356,7 +363,7 @@ def _v2_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfil
         _flow_encoder_profiles(config, limits, streaming=True),
         _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
         _estimator_profiles("flow_estimator_stream", config.flow.output_size, short, long),
-        _hift_profiles("hift", config.hift, hift_frames, ((0, cached, cached), (0, 0, cached))),
+        _hift_profiles("hift", config.hift, hift_frames, ((0, cached, cached), (0, cached, cached))),
     ]
 
 
@@ -433,7 +440,7 @@ def _v1_profiles(config: V1ModelConfig, limits: ProfileLimits) -> list[GraphProf
             "v1_hift",
             config.hift,
             (_range(1, chunk, limits.stream_frames), long),
-            ((0, cached, cached), (0, 0, cached)),
+            ((0, cached, cached), (0, cached, cached)),  # opt never empty (issue 29 item 7)
             rand_phase=True,
         ),
     ]
