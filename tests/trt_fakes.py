@@ -213,3 +213,186 @@ class FakeEngine:
     @property
     def live_contexts(self) -> list[FakeContext]:
         return [c for c in (ref() for ref in self.contexts) if c is not None]
+
+
+# -- a counting, pessimistic cuda.bindings.runtime --------------------------------------------------
+
+
+class CountingCuda:
+    """``cuda.bindings.runtime`` over host memory that counts what a GPU run would pay for.
+
+    * ``bytes``: bytes moved per direction ("to_device", "to_host", "device"), 1-D and 3-D copies;
+    * ``synchronizes``: host waits (stream and event synchronize);
+    * ``events_done``: what ``cudaEventQuery`` answers (False: pessimistic, work still in flight);
+    * CUDA graph capture (``cudaStreamBeginCapture`` ... ``cudaGraphLaunch``): launches made while a
+      stream captures are recorded, not run, and run on every replay; a host copy or a synchronize on
+      a capturing stream fails, as on a GPU (``cudaErrorStreamCaptureUnsupported``).
+
+    ``mark()`` returns a snapshot; ``since(mark)`` the counts after it.
+    """
+
+    class cudaError_t:  # noqa: N801 - the bindings' name
+        cudaSuccess = 0
+        cudaErrorMemoryAllocation = 2
+        cudaErrorNotReady = 600
+        cudaErrorStreamCaptureUnsupported = 900
+
+    cudaStreamNonBlocking, cudaEventDisableTiming, cudaEventDefault = 1, 2, 0
+    cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3)
+    cudaStreamCaptureMode = SimpleNamespace(cudaStreamCaptureModeThreadLocal=1, cudaStreamCaptureModeGlobal=0)
+    cudaMemcpy3DParms = SimpleNamespace
+    _DIRECTIONS = {1: "to_device", 2: "to_host", 3: "device"}
+    OK = (0,)
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, Any] = {}
+        self.calls: list[tuple] = []
+        self.bytes = {"to_device": 0, "to_host": 0, "device": 0}
+        self.synchronizes = 0
+        self.events_done = True
+        self.handles = 1000
+        self.capturing: dict[int, list[Callable[[], None]]] = {}  # stream -> recorded work
+        self.graphs: dict[int, list[Callable[[], None]]] = {}
+        self.replays = 0
+
+    # memory
+    def _handle(self) -> tuple[int, int]:
+        self.handles += 1
+        return (0, self.handles)
+
+    def cudaMalloc(self, size):
+        return (0, aligned_block(self.blocks, size))
+
+    cudaMallocHost = cudaMalloc
+
+    def cudaFree(self, ptr):
+        self.blocks.pop(ptr)
+        return self.OK
+
+    cudaFreeHost = cudaFree
+
+    def _copy(self, stream, kind, count, work):
+        if kind != 3 and stream in self.capturing:  # host copies are not captured in this project
+            return (self.cudaError_t.cudaErrorStreamCaptureUnsupported,)
+        if stream in self.capturing:
+            self.capturing[stream].append(work)
+        else:
+            work()
+        self.bytes[self._DIRECTIONS[int(kind)]] += int(count)
+        return self.OK
+
+    def cudaMemcpyAsync(self, dst, src, count, kind, stream):
+        self.calls.append(("copy", int(kind), int(count)))
+        return self._copy(stream, kind, count, lambda: ctypes.memmove(dst, src, count))
+
+    def cudaMemcpy(self, dst, src, count, kind):
+        self.synchronizes += 1  # a synchronous copy waits like a synchronize
+        return self.cudaMemcpyAsync(dst, src, count, kind, None)
+
+    @staticmethod
+    def make_cudaPitchedPtr(ptr, pitch, xsize, ysize):
+        return SimpleNamespace(ptr=ptr, pitch=pitch, xsize=xsize, ysize=ysize)
+
+    @staticmethod
+    def make_cudaExtent(width, height, depth):
+        return SimpleNamespace(width=width, height=height, depth=depth)
+
+    def cudaMemcpy3DAsync(self, params, stream):
+        src, dst, extent = params.srcPtr, params.dstPtr, params.extent
+        self.calls.append(("copy3d", int(params.kind), extent.width, extent.height, extent.depth))
+        if extent.width > min(src.pitch, dst.pitch):
+            return (self.cudaError_t.cudaErrorMemoryAllocation,)
+
+        def work():
+            for z in range(extent.depth):
+                for y in range(extent.height):
+                    source = src.ptr + (z * src.ysize + y) * src.pitch
+                    ctypes.memmove(dst.ptr + (z * dst.ysize + y) * dst.pitch, source, extent.width)
+
+        return self._copy(stream, params.kind, extent.width * extent.height * extent.depth, work)
+
+    # streams, events
+    def cudaStreamCreateWithFlags(self, flags):
+        return self._handle()
+
+    cudaEventCreateWithFlags = cudaStreamCreateWithFlags
+
+    def cudaStreamDestroy(self, handle):
+        return self.OK
+
+    cudaEventDestroy = cudaStreamDestroy
+
+    def cudaStreamSynchronize(self, stream):
+        if stream in self.capturing:
+            return (self.cudaError_t.cudaErrorStreamCaptureUnsupported,)
+        self.synchronizes += 1
+        self.calls.append(("synchronize", stream))
+        return self.OK
+
+    def cudaEventSynchronize(self, event):
+        self.synchronizes += 1
+        self.calls.append(("synchronize", event))
+        return self.OK
+
+    def cudaStreamWaitEvent(self, stream, event, flags):
+        self.calls.append(("wait", stream, event))
+        return self.OK
+
+    def cudaEventRecord(self, event, stream):
+        self.calls.append(("record", event, stream))
+        return self.OK
+
+    def cudaEventQuery(self, event):
+        return self.OK if self.events_done else (self.cudaError_t.cudaErrorNotReady,)
+
+    def cudaGetErrorName(self, err):
+        names = {v: k for k, v in vars(self.cudaError_t).items() if not k.startswith("_")}
+        return (0, names.get(int(err), "cudaErrorUnknown").encode())
+
+    def cudaGetErrorString(self, err):
+        return (0, b"")
+
+    # CUDA graphs
+    def cudaStreamBeginCapture(self, stream, mode):
+        self.calls.append(("begin_capture", stream))
+        self.capturing[stream] = []
+        return self.OK
+
+    def cudaStreamEndCapture(self, stream):
+        self.calls.append(("end_capture", stream))
+        work = self.capturing.pop(stream)
+        handle = self._handle()[1]
+        self.graphs[handle] = work
+        return (0, handle)
+
+    def cudaGraphInstantiate(self, graph, flags):
+        executable = self._handle()[1]
+        self.graphs[executable] = self.graphs[graph]
+        return (0, executable)
+
+    def cudaGraphLaunch(self, executable, stream):
+        self.calls.append(("graph_launch", executable, stream))
+        self.replays += 1
+        for work in self.graphs[executable]:
+            work()
+        return self.OK
+
+    def cudaGraphDestroy(self, graph):
+        self.graphs.pop(graph, None)
+        return self.OK
+
+    cudaGraphExecDestroy = cudaGraphDestroy
+
+    def launch(self, stream: Any, work: Callable[[], None]) -> None:
+        """A kernel launch on ``stream`` (the fake contexts call this): recorded while capturing."""
+        if stream in self.capturing:
+            self.capturing[stream].append(work)
+        else:
+            work()
+
+    def mark(self) -> dict[str, int]:
+        return {**self.bytes, "synchronizes": self.synchronizes}
+
+    def since(self, mark: dict[str, int]) -> dict[str, int]:
+        now = self.mark()
+        return {key: now[key] - mark[key] for key in now}

@@ -231,7 +231,9 @@ def build_plans(
     plans_dir.mkdir(exist_ok=True)
     cache_path = Path(timing_cache) if timing_cache else plans_dir / TIMING_CACHE_NAME
     records = {}
-    for name, entry in summary["graphs"].items():
+    total, started = len(summary["graphs"]), time.perf_counter()
+    for number, (name, entry) in enumerate(summary["graphs"].items(), 1):
+        step = f"[{number}/{total}, {time.perf_counter() - started:.0f} s] {name}"
         record = PlanRecord(
             graph=name,
             onnx=entry["onnx"],
@@ -247,9 +249,9 @@ def build_plans(
         old = _read_record(plans_dir / f"{name}.json")
         reason = "forced" if force else _stale_reason(old, record, plans_dir)
         if reason is None:
-            emit(f"{name}: plan is current for {system['gpu']} / TensorRT {system['tensorrt']}; kept")
+            emit(f"{step}: plan is current for {system['gpu']} / TensorRT {system['tensorrt']}; kept")
         else:
-            emit(f"{name}: building TensorRT plan ({reason})")
+            emit(f"{step}: building TensorRT plan ({reason})")
             build_plan(
                 engines_dir / record.onnx,
                 plans_dir / record.plan,

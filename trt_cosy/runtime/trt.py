@@ -267,12 +267,15 @@ class TrtRunner:
             raise TrtCosyError(f"graph '{self.name}': TensorRT left output shapes unresolved {unresolved}.")
         return dict(state.output_shapes)
 
-    def copy_inputs(self, arrays: Mapping[str, np.ndarray], slot: int = 0) -> None:
+    def copy_inputs(
+        self, arrays: Mapping[str, np.ndarray], slot: int = 0, bound: Collection[str] = ()
+    ) -> None:
         """Stage ``arrays`` in the slot's pinned buffers and copy them to its device buffers (async);
-        ``external`` inputs are not copied (they are bound by address)."""
+        ``external`` inputs and those named in ``bound`` (the caller binds them by address at
+        ``enqueue``, e.g. a table already on the device) are not copied."""
         state = self._slots[slot]
         for name in self.input_names:
-            if name in self.external:
+            if name in self.external or name in bound:
                 continue
             array = np.ascontiguousarray(arrays[name], dtype=self._io[name].dtype)
             self._check_room(state, name, array.nbytes)
