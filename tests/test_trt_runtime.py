@@ -670,3 +670,46 @@ def test_two_threads_on_two_slots_match_onnxruntime_on_gpu(tmp_path):
         print(f"device memory per context: {memory}")
     assert not errors, errors[:5]
     assert len(memory) == 2 and all(m["activations"] <= m["activations_max"] for m in memory)
+
+
+def test_lazy_plans_are_checked_at_load_and_deserialised_on_first_use(fake_cuda, monkeypatch, tmp_path):
+    """Issue 29 item 3: plans load when first needed; the record check still happens at load."""
+    import json
+
+    from trt_cosy.runtime import trt as trt_runtime
+    from trt_cosy.runtime.profiles import write_profiles
+    from trt_cosy.runtime.trt_lazy import LazyTrtRunner, load_plans
+
+    made = []
+    trt, _ = _fake_trt_module(lambda: made.append(toy_engine()) or made[-1])
+    monkeypatch.setattr(trt_runtime, "load_tensorrt", lambda: trt)
+    monkeypatch.setattr(trt_runtime, "current_system", lambda trt: SYSTEM)
+    write_profiles({"toy": PROFILES}, tmp_path / "profiles.json")
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "toy.plan").write_bytes(b"plan")
+    record = _record(graph="toy", plan="toy.plan", slots=1)
+    (tmp_path / "plans" / "toy.json").write_text(json.dumps(record.to_dict()))
+    runner = load_plans(tmp_path, lazy={"toy"})["toy"]
+    assert isinstance(runner, LazyTrtRunner) and not made and not runner.loaded
+    assert runner.profiles == PROFILES and runner.slots == 1 and runner.kv_decoder is None
+    malloc_before = sum(1 for c in fake_cuda.calls if c[0] == "malloc")
+    assert malloc_before == 0  # no buffers, no activation memory yet
+    x = np.ones((1, 5, 4), np.float32)
+    assert np.array_equal(runner.infer({"x": x})["y"], 2 * x) and len(made) == 1
+    with runner.slot() as slot:  # the TrtRunner hot path through the lazy runner, no second load
+        runner.set_shapes({"x": x.shape}, slot)
+    assert len(made) == 1 and runner.loaded
+    runner.free()
+    (tmp_path / "plans" / "toy.plan").unlink()
+    with pytest.raises(EngineMismatchError, match="does not exist"):  # a missing plan: refused at load
+        load_plans(tmp_path, lazy={"toy"})
+
+
+def test_plain_estimator_plans_are_deferred_where_step_plans_exist():
+    from trt_cosy.runtime.trt_lazy import deferred_plans
+
+    plans = ["llm", "llm_decode", "flow_encoder", "flow_estimator", "flow_estimator_stream", "flow_step",
+             "flow_step_stream", "hift"]  # fmt: skip
+    assert deferred_plans(plans, {"hift_stream"}) == {"flow_estimator", "flow_estimator_stream"}
+    assert deferred_plans(plans[:5] + ["hift"], {"flow_estimator_stream"}) == {"flow_estimator_stream"}
+    assert deferred_plans([*plans, "hift_stream"], {"hift_stream"}) >= {"hift_stream"}

@@ -5,11 +5,14 @@ Two steps, so that a GPU host never needs torch:
 1. ``prepare_trt_graphs`` (build time, CPU, no TensorRT): after the fp32 export, writes
    ``<graph>.fp16.onnx`` (precision fp16; fp32 builds use ``<graph>.onnx`` as it is), ``profiles.json``
    and ``tensorrt.json`` (precision, checkpoint digest, each graph's ONNX sha256, fp16 report and the
-   fp16-vs-fp32 error measured on ONNX Runtime). This is all ``--onnx-only`` does.
+   fp16-vs-fp32 error measured on ONNX Runtime) and ``parity/<graph>.npz`` (the export's feeds and
+   the fp32 graph's outputs, ``build.trt_parity``). This is all ``--onnx-only`` does.
 2. ``build_plans`` (GPU host, TensorRT, no torch, no onnx): parses each graph, adds the profiles,
    builds a strongly typed network, writes ``plans/<graph>.plan`` atomically with a
    ``plans/<graph>.json`` record keyed by checkpoint digest + GPU name + compute capability +
-   TensorRT version + precision + profiles + ONNX sha256, and persists ``plans/timing.cache``. A plan
+   TensorRT version + precision + profiles + ONNX sha256, and persists ``plans/timing.cache``. Each
+   new plan runs on its parity feeds against the fp32 outputs: NaN/inf or an error above
+   ``PLAN_TOLERANCES`` removes it and fails the build; ``plans/parity.json`` records the errors. A plan
    whose record does not match the running system is rebuilt; the runtime refuses it
    (``runtime.trt.plan_mismatch``). The Docker entrypoint runs this step on first start.
 
@@ -27,6 +30,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
+
+import numpy as np
 
 from ..config import ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
@@ -57,6 +62,14 @@ from ..runtime.trt import (
     trt_logger,
 )
 from ..version import __version__
+from .trt_parity import (
+    PARITY_DIR,
+    PLAN_TOLERANCES,
+    check_plan,
+    read_parity_feeds,
+    record_parity,
+    write_parity_feeds,
+)
 
 __all__ = [
     "TRT_PRECISIONS",
@@ -125,7 +138,7 @@ def prepare_trt_graphs(
         graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
     for name in trt_graph_specs(config.family):
         if name not in graphs:
-            graphs[name] = _prepare_step_graph(engines_dir, name, config, precision, emit)
+            graphs[name] = _prepare_step_graph(engines_dir, name, config, precision, measure, emit)
     summary = {
         "trt_cosy_version": __version__,
         "family": config.family,
@@ -168,10 +181,13 @@ def _prepare_graph(
     if not source.is_file():
         raise EngineMismatchError(f"{source} is missing: export the fp32 graphs first (`trt-cosy build`).")
     entry: dict[str, Any] = {"onnx": target.name}
+    feeds = _export_feeds(name, config) if measure or precision == "fp16" else []
+    if measure:  # the fp32 outputs every plan is checked against once built (build.trt_parity)
+        parity = write_parity_feeds(engines_dir, name, source, feeds)
+        entry["parity_feeds"] = parity.relative_to(engines_dir).as_posix()
     if precision == "fp16":
         from .precision import compare_fp16, graph_policy, to_fp16_graph  # onnx: build time only
 
-        feeds = _export_feeds(name, config)
         policy = graph_policy(config.family, name)
         report = to_fp16_graph(source, target, policy, graph=name, calibration=feeds)
         entry["fp16"] = report.summary()
@@ -189,7 +205,7 @@ def _prepare_graph(
 
 
 def _prepare_step_graph(
-    engines_dir: Path, name: str, config: ModelConfig, precision: str, emit: Progress
+    engines_dir: Path, name: str, config: ModelConfig, precision: str, measure: bool, emit: Progress
 ) -> dict[str, Any]:
     """``<step>[.fp16].onnx``: the prepared estimator graph wrapped with guidance and the Euler update
     (``build.flow_step``), for the device-side solve (``runtime.euler.DeviceEulerLoop``)."""
@@ -198,11 +214,20 @@ def _prepare_step_graph(
 
     estimator = next(est for est, step in STEP_GRAPHS.items() if step.name == name)
     target = engines_dir / graph_file(name, precision)
-    write_flow_step(
-        engines_dir / graph_file(estimator, precision), target, config.flow.cfm.inference_cfg_rate
-    )
-    emit(f"{name}: {estimator} + guidance (rate {config.flow.cfm.inference_cfg_rate}) + Euler update")
-    return {"onnx": target.name, "derived_from": estimator, "onnx_sha256": file_sha256(target)}
+    rate = config.flow.cfm.inference_cfg_rate
+    write_flow_step(engines_dir / graph_file(estimator, precision), target, rate)
+    emit(f"{name}: {estimator} + guidance (rate {rate}) + Euler update")
+    entry = {"onnx": target.name, "derived_from": estimator, "onnx_sha256": file_sha256(target)}
+    if measure:  # the estimator's feeds as one step (x and t at batch 1, dt 0.1), against the fp32 step
+        feeds = [
+            {**feed, "x": feed["x"][:1], "t": feed["t"][:1], "dt": np.array([0.1], np.float32)}
+            for feed in _export_feeds(estimator, config)
+        ]
+        with tempfile.TemporaryDirectory() as scratch:
+            fp32_step = write_flow_step(engines_dir / f"{estimator}.onnx", Path(scratch) / f"{name}.onnx", rate)
+            parity = write_parity_feeds(engines_dir, name, fp32_step, feeds)
+        entry["parity_feeds"] = parity.relative_to(engines_dir).as_posix()
+    return entry
 
 
 def build_plans(
@@ -262,9 +287,44 @@ def build_plans(
                 trt=trt,
                 progress=emit,
             )
+            _check_plan_parity(engines_dir, name, record, profiles[name], emit)
             _write_json_atomic(plans_dir / f"{name}.json", record.to_dict())
         records[name] = record
     return records
+
+
+def _plan_runner(path: Path, name: str, profiles: GraphProfiles) -> Any:
+    """A one-slot ``TrtRunner`` over a freshly built plan, every input fed (the parity check)."""
+    from ..runtime.trt import TrtRunner
+
+    return TrtRunner.from_plan(path, name, profiles, slots=1)
+
+
+def _check_plan_parity(
+    engines_dir: Path, name: str, record: PlanRecord, profiles: GraphProfiles, emit: Progress
+) -> None:
+    """Run the new plan on ``parity/<name>.npz`` against the fp32 outputs (``build.trt_parity``);
+    on NaN/inf or an error above the precision's tolerance remove the plan and raise."""
+    plans_dir = engines_dir / PLANS_DIR
+    feeds = engines_dir / PARITY_DIR / f"{name}.npz"
+    if not feeds.is_file():
+        emit(f"{name}: no parity feeds ({feeds.name}; prepared without measuring): plan not checked")
+        record_parity(plans_dir, name, {"feeds": 0, "skipped": "no parity feeds"})
+        return
+    runner = _plan_runner(plans_dir / str(record.plan), name, profiles)
+    try:
+        result = check_plan(name, runner.infer, read_parity_feeds(feeds), PLAN_TOLERANCES[record.precision])
+    except TrtCosyError:
+        (plans_dir / str(record.plan)).unlink(missing_ok=True)
+        record_parity(plans_dir, name, None)
+        raise
+    finally:
+        runner.free()
+    record_parity(plans_dir, name, result)
+    emit(
+        f"{name}: plan vs fp32 ONNX on {result['feeds']} feed(s): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in result["max_error"].items())
+    )
 
 
 def _stale_reason(old: PlanRecord | None, new: PlanRecord, plans_dir: Path) -> str | None:

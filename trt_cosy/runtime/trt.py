@@ -64,6 +64,7 @@ __all__ = [
     "current_system",
     "plan_mismatch",
     "load_plan_runners",
+    "checked_plans",
     "trt_logger",
     "load_tensorrt",
     "shared_runtime",
@@ -77,11 +78,24 @@ def load_plan_runners(
     engines_dir: Path, slots: int = 1, checkpoint: str | None = None
 ) -> dict[str, TrtRunner]:
     """One ``TrtRunner`` per plan of ``engines_dir/plans``; a plan built for another GPU, TensorRT
-    version, checkpoint or profile set raises ``EngineMismatchError`` (never used)."""
+    version, checkpoint or profile set raises ``EngineMismatchError`` (never used). Deferred
+    deserialisation: ``runtime.trt_lazy.load_plans``."""
+    return {
+        name: TrtRunner.from_plan(path, name, graph, slots=slots, external=external)
+        for name, (path, graph, external) in checked_plans(engines_dir, slots, checkpoint).items()
+    }
+
+
+def checked_plans(
+    engines_dir: Path, slots: int = 1, checkpoint: str | None = None
+) -> dict[str, tuple[Path, GraphProfiles, tuple[str, ...]]]:
+    """``{graph: (plan path, profiles, inputs bound by address)}`` for every plan of ``engines_dir``,
+    each record checked against this system, ``checkpoint``, its profiles and ``slots``; a stale or
+    missing plan raises ``EngineMismatchError``. Nothing is deserialised."""
     engines_dir = Path(engines_dir)
     trt = load_tensorrt()
     system, profiles = current_system(trt), read_profiles(engines_dir / PROFILES_NAME)
-    runners = {}
+    plans = {}
     for name, graph in profiles.items():
         record_path = engines_dir / PLANS_DIR / f"{name}.json"
         try:
@@ -103,12 +117,16 @@ def load_plan_runners(
                 f"slot(s), {slots} asked for. Use fewer slots or rebuild the plans: run "
                 f"`python -m trt_cosy.build.tensorrt {engines_dir} --slots {slots}`."
             )
+        path = engines_dir / PLANS_DIR / str(record.plan)
+        if not path.is_file():
+            raise EngineMismatchError(
+                f"TensorRT plan {path} for graph '{name}' does not exist. Rebuild it with "
+                "`trt-cosy build --backend tensorrt`."
+            )
         # llm_decode reads the KV slots where runtime.trt_batch keeps them: no buffers of its own for them
         external = device_cache_inputs(graph.input_names) if name == LLM_DECODE_NAME else ()
-        runners[name] = TrtRunner.from_plan(
-            engines_dir / PLANS_DIR / str(record.plan), name, graph, slots=slots, external=external
-        )
-    return runners
+        plans[name] = (path, graph, tuple(external))
+    return plans
 
 
 @dataclass
