@@ -21,7 +21,7 @@ from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import cuda
 from trt_cosy.runtime.kv_slots import PrefillCache
 from trt_cosy.runtime.llm_decode import LLM_DECODE_NAME, cache_input_names, device_cache_inputs
-from trt_cosy.runtime.profiles import ProfileLimits, llm_decode_profiles
+from trt_cosy.runtime.profiles import GraphProfiles, ProfileLimits, default_profiles, llm_decode_profiles
 from trt_cosy.runtime.trt import TrtRunner
 from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype
 
@@ -156,3 +156,63 @@ def test_a_plan_mixing_cache_dtypes_is_refused(config, counting):
                        external=device_cache_inputs(engine.profiles.input_names))  # fmt: skip
     with pytest.raises(EngineMismatchError, match=r"\['float16', 'float32'\].*Rebuild"):
         cache_dtype(runner)
+
+
+# -- one request's LLM decode with the cache on the device (runtime.trt_kv) --------------------------------
+
+
+def _llm_engine(config) -> tuple[FakeEngine, GraphProfiles]:
+    """The ``LLM`` contract in numpy: present = past ++ the first H·Dh embeds of each new position (every
+    layer), logits[0, t, v] = v + Σ present_keys + Σ embeds[0, t] (a stale or missing past shows)."""
+    qwen = config.llm.qwen
+    heads, head_dim = qwen.num_kv_heads, qwen.head_dim
+    profiles = default_profiles(config, ProfileLimits(max_prefill=64, max_context=256, decode_buckets=(64,)))["llm"]
+
+    def compute(views):
+        embeds = np.asarray(views["inputs_embeds"])  # [1, T, D]
+        new = embeds[:, :, : heads * head_dim].reshape(1, -1, heads, head_dim).transpose(0, 2, 1, 3)  # [1, H, T, Dh]
+        keys = np.concatenate([np.asarray(views["past_keys"]), np.broadcast_to(new, (qwen.num_layers, *new.shape))], 3)
+        values = np.concatenate([np.asarray(views["past_values"]), -keys[:, :, :, keys.shape[3] - new.shape[2] :]], 3)
+        total = keys.astype(np.float64).sum() + values.astype(np.float64).sum()
+        logits = np.arange(VOCAB)[None, None] + total + embeds.astype(np.float64).sum(axis=2)[..., None]
+        return {"logits": logits.astype(np.float32), "present_keys": keys, "present_values": values}
+
+    def output_shape(shapes, name):
+        embeds, past = shapes["inputs_embeds"], shapes["past_keys"]
+        if name == "logits":
+            return (1, embeds[1], VOCAB)
+        return (past[0], 1, past[2], past[3] + embeds[1], past[4])
+
+    engine = FakeEngine(profiles, outputs=("logits", "present_keys", "present_values"), compute=compute,
+                        output_shape=output_shape)  # fmt: skip
+    return engine, profiles
+
+
+def test_one_requests_decode_keeps_its_cache_on_the_device(config, counting):
+    """Issue 29 item 2: the LLM plan's cache no longer round-trips through the host every token; per step
+    the embeddings go up and the logits come down, the same bytes at 10 and 200 cached positions, one
+    synchronize; the logits equal those of the host-fed cache (``infer`` with the whole cache)."""
+    qwen = config.llm.qwen
+    engine, profiles = _llm_engine(config)
+    runner = TrtRunner(engine, "llm", profiles, trt=FAKE_TRT)
+    reference = _llm_engine(config)[0].compute
+    rng = np.random.default_rng(2)
+    empty = (qwen.num_layers, 1, qwen.num_kv_heads, 0, qwen.head_dim)
+    decoder = runner.kv_decoder(empty)
+    past = {"past_keys": np.zeros(empty, np.float32), "past_values": np.zeros(empty, np.float32)}
+    per_step: dict[int, dict[str, int]] = {}
+    prompt = rng.standard_normal((1, 10, qwen.hidden_size)).astype(np.float32)
+    for embeds in [prompt] + [rng.standard_normal((1, 1, qwen.hidden_size)).astype(np.float32) for _ in range(200)]:
+        mark = counting.mark()
+        got = decoder.step(embeds)
+        counts = counting.since(mark)
+        want = reference({"inputs_embeds": embeds, **past})
+        past = {"past_keys": want["present_keys"], "past_values": want["present_values"]}
+        assert np.allclose(got, want["logits"], rtol=1e-5, atol=1e-3), decoder.length
+        if embeds.shape[1] == 1:
+            per_step[decoder.length] = counts
+    assert decoder.length == 210
+    expected = {"to_device": qwen.hidden_size * 4, "to_host": VOCAB * 4, "device": 0, "synchronizes": 1}
+    assert per_step[11] == per_step[70] == per_step[210] == expected, (per_step[11], per_step[210])
+    assert engine.failures == []
+    decoder.free()

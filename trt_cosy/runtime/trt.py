@@ -44,6 +44,7 @@ from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream
 from .llm_decode import LLM_DECODE_NAME, device_cache_inputs
 from .profiles import PROFILES_NAME, GraphProfiles, read_profiles
 from .trt_bindings import PlanIO, TensorInfo, dims, nbytes
+from .trt_kv import TrtKVDecoder
 from .trt_plans import (
     PLANS_DIR,
     TENSOR_ALIGNMENT,
@@ -344,6 +345,11 @@ class TrtRunner:
                 state.device[name].copy_to_async(state.host[name], size, state.stream)
             views[name] = state.host[name].view(dtype, shape)
         return views
+
+    def kv_decoder(self, cache_shape: tuple[int, ...]) -> TrtKVDecoder:
+        """A step-by-step decoder for an ``LLM``-contract plan whose KV cache stays in device memory
+        (``runtime.trt_kv``): per step only the new embeddings go up and the logits come down."""
+        return TrtKVDecoder(self, cache_shape)
 
     def device_tensor(self, name: str, slot: int = 0) -> tuple[int, tuple[int, ...], np.dtype]:
         """(device pointer, shape, dtype) of a slot's buffer, for another stage's ``enqueue(addresses=...)``."""

@@ -50,8 +50,6 @@ def load_plans(
 class LazyTrtRunner(LazyRunner[TrtRunner]):
     """A ``TrtRunner`` created by ``TrtRunner.from_plan`` on first use (thread-safe, once)."""
 
-    kv_decoder = None  # as TrtRunner: LLMStage feeds the cache itself (no ONNX Runtime IOBinding)
-
     def __init__(
         self, path: Path, name: str, profiles: GraphProfiles, slots: int = 1, external: Collection[str] = ()
     ):
