@@ -216,3 +216,113 @@ def test_one_requests_decode_keeps_its_cache_on_the_device(config, counting):
     assert per_step[11] == per_step[70] == per_step[210] == expected, (per_step[11], per_step[210])
     assert engine.failures == []
     decoder.free()
+
+
+# -- the incremental streaming flow with its cache on the device (stages.flow_incremental) -------------
+
+
+def _incremental_engine(config):
+    """``flow_estimator_incremental`` in numpy, reading every input: the velocity depends on the cached
+    blocks (their mean), the new blocks on x and their absolute position (a misplaced append shows)."""
+    from trt_cosy.runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL
+    from trt_cosy.runtime.incremental_profiles import incremental_profiles
+    from trt_cosy.stages.flow_incremental import cache_layout
+
+    blocks, width, channels = cache_layout(config.flow.estimator)
+    profiles = incremental_profiles(config)
+
+    def compute(views):
+        x, past, tails = (np.asarray(views[n], np.float32) for n in ("x", "past_blocks", "past_tails"))
+        t = np.asarray(views["t"], np.float32)
+        mean = np.float32(past.mean()) if past.size else np.float32(0)
+        new = x.shape[2]
+        velocity = np.float32(0.5) * x + mean + t[:, None, None] + np.asarray(views["mu"]) - np.asarray(views["cond"])
+        positions = np.arange(past.shape[0], past.shape[0] + new, dtype=np.float32)  # absolute frames
+        new_blocks = np.broadcast_to((x[0, 0] + positions)[:, None, None, None], (new, blocks, 2, width))
+        return {"estimator_out": velocity.astype(np.float32), "new_blocks": np.ascontiguousarray(new_blocks),
+                "new_tails": tails + np.float32(1)}  # fmt: skip
+
+    def output_shape(shapes, name):
+        new = shapes["x"][2]
+        return {"estimator_out": (2, 80, new), "new_blocks": (new, blocks, 2, width), "new_tails": (2, channels, 2)}[name]
+
+    engine = FakeEngine(profiles, outputs=FLOW_ESTIMATOR_INCREMENTAL.output_names, compute=compute,
+                        output_shape=output_shape)  # fmt: skip
+    return engine, profiles
+
+
+class _HostRunner:
+    """The same numpy graph as a plain ``Runner`` (``infer``): the host path of the solve."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.input_names, self.output_names = engine.inputs, engine.outputs
+
+    def infer(self, feed):
+        return self.engine.compute(feed)
+
+
+def test_the_incremental_flow_cache_stays_on_the_device(config, counting):
+    """Issue 29 item 1: past_blocks bound to the device store, new blocks appended device to device;
+    the mel equals the host cache's bit for bit, and a chunk of 50 new frames moves the same bytes at
+    50 and at 100 cached frames (nothing grows with the cache)."""
+    from trt_cosy.runtime.trt import BOUND_INPUTS
+    from trt_cosy.stages.flow import cosine_t_span
+    from trt_cosy.stages.flow_incremental import FlowCache, solve_euler_incremental
+
+    engine, profiles = _incremental_engine(config)
+    runner = TrtRunner(engine, "flow_estimator_incremental", profiles, trt=FAKE_TRT,
+                       external=BOUND_INPUTS["flow_estimator_incremental"])  # fmt: skip
+    assert "past_blocks" not in runner._slots[0].device  # no buffer at the profile maximum for it
+    host = _HostRunner(_incremental_engine(config)[0])
+    steps = config.flow.cfm.n_timesteps
+    caches = FlowCache(config.flow.estimator, steps), FlowCache(config.flow.estimator, steps)
+    rng = np.random.default_rng(3)
+    total = 150
+    mu, cond = (rng.standard_normal((1, 80, total)).astype(np.float32) for _ in range(2))
+    spks, noise = rng.standard_normal((1, 80)).astype(np.float32), rng.standard_normal((1, 80, total)).astype(np.float32)
+    per_chunk = []
+    for end in (50, 100, 150):
+        args = (mu[:, :, :end], spks, cond[:, :, :end], noise[:, :, :end], cosine_t_span(steps), 0.7)
+        mark = counting.mark()
+        got = solve_euler_incremental(runner, caches[0], *args)
+        per_chunk.append(counting.since(mark))
+        want = solve_euler_incremental(host, caches[1], *args)
+        np.testing.assert_array_equal(got, want)
+    assert caches[0].device is not None and caches[0].device.frames == [150] * steps
+    assert caches[1].device is None and caches[0]._blocks == []  # the host cache never held device frames
+    assert per_chunk[1] == per_chunk[2], per_chunk  # 50 new frames after 50 or 100 cached ones
+    blocks, width, _ = caches[0].blocks, caches[0].width, None
+    assert per_chunk[1]["device"] == steps * 50 * blocks * 2 * width * 4  # only the appends
+    assert per_chunk[1]["synchronizes"] == steps  # one per Euler step (the update is on the host)
+    assert engine.failures == []
+    caches[0].release()
+    assert caches[0].device is None
+
+
+def test_a_device_voice_prefix_is_cloned_per_request_and_a_host_one_uploaded_once(config, counting):
+    from trt_cosy.runtime.trt import BOUND_INPUTS
+    from trt_cosy.stages.flow import cosine_t_span
+    from trt_cosy.stages.flow_incremental import FlowCache, solve_euler_incremental
+
+    engine, profiles = _incremental_engine(config)
+    runner = TrtRunner(engine, "flow_estimator_incremental", profiles, trt=FAKE_TRT,
+                       external=BOUND_INPUTS["flow_estimator_incremental"])  # fmt: skip
+    host = _HostRunner(_incremental_engine(config)[0])
+    steps, rng = config.flow.cfm.n_timesteps, np.random.default_rng(4)
+    mu, cond, noise = (rng.standard_normal((1, 80, 100)).astype(np.float32) for _ in range(3))
+    spks = rng.standard_normal((1, 80)).astype(np.float32)
+    args = lambda end: (mu[:, :, :end], spks, cond[:, :, :end], noise[:, :, :end], cosine_t_span(steps), 0.7)  # noqa: E731
+    want = FlowCache(config.flow.estimator, steps)
+    solve_euler_incremental(host, want, *args(50))
+    expected = solve_euler_incremental(host, want, *args(100))
+    for prefix_runner in (runner, host):  # a prefix computed on the device, then one on the host
+        prefix = FlowCache(config.flow.estimator, steps)
+        solve_euler_incremental(prefix_runner, prefix, *args(50))
+        request = FlowCache(config.flow.estimator, steps)
+        request.load(prefix)
+        np.testing.assert_array_equal(solve_euler_incremental(runner, request, *args(100)), expected)
+        assert request.device.frames == [100] * steps
+        if prefix.device is not None:
+            assert prefix.device.frames == [50] * steps  # the shared prefix is never extended
+    assert engine.failures == []

@@ -73,6 +73,8 @@ __all__ = [
 ]
 
 _LOGGER = logging.getLogger(__name__)
+# Inputs a plan reads from device memory that its caller owns (bound by address at every enqueue).
+BOUND_INPUTS: dict[str, tuple[str, ...]] = {"flow_estimator_incremental": ("past_blocks",)}
 
 
 def load_plan_runners(
@@ -124,8 +126,11 @@ def checked_plans(
                 f"TensorRT plan {path} for graph '{name}' does not exist. Rebuild it with "
                 "`trt-cosy build --backend tensorrt`."
             )
-        # llm_decode reads the KV slots where runtime.trt_batch keeps them: no buffers of its own for them
-        external = device_cache_inputs(graph.input_names) if name == LLM_DECODE_NAME else ()
+        # llm_decode reads the KV slots where runtime.trt_batch keeps them, the incremental estimator its
+        # cache where stages.flow_incremental keeps it on the device: no buffers of their own for them
+        external = BOUND_INPUTS.get(name, ())
+        if name == LLM_DECODE_NAME:
+            external = device_cache_inputs(graph.input_names)
         plans[name] = (path, graph, tuple(external))
     return plans
 
