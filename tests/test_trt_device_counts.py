@@ -326,3 +326,52 @@ def test_a_device_voice_prefix_is_cloned_per_request_and_a_host_one_uploaded_onc
         if prefix.device is not None:
             assert prefix.device.frames == [50] * steps  # the shared prefix is never extended
     assert engine.failures == []
+
+
+# -- CUDA graphs for the decode step (TrtRunner.enqueue(graph=True)) ---------------------------------------
+
+
+def _stepper(config, rows: int = 2):
+    qwen = config.llm.qwen
+    runner = _decode_runner(config)
+    slots = DeviceKVSlots(4, qwen.num_layers, qwen.num_kv_heads, LIMITS.max_context, qwen.head_dim)
+    rng = np.random.default_rng(6)
+    caches = [_cache(config, 20 + row, rng) for row in range(rows)]
+    for cache in caches:
+        slots.add(cache)
+    embeds = rng.standard_normal((rows, 1, qwen.hidden_size)).astype(np.float32)
+    stepper = TrtBatchLLM(None, runner, qwen.num_layers).decoder(slots, VOCAB)
+    return runner, slots, caches, embeds, stepper
+
+
+def _want(config, caches, embeds, steps_before: int) -> np.ndarray:
+    part = embeds[:, 0, : config.llm.qwen.num_kv_heads * config.llm.qwen.head_dim].astype(np.float64)
+    cached = np.array([float(np.asarray(c.keys[0], np.float64).sum()) for c in caches]) + steps_before * part.sum(1)
+    return np.arange(VOCAB)[None] + (embeds[:, 0].astype(np.float64).sum(1) + cached)[:, None]  # [B, V]
+
+
+def test_the_decode_step_is_captured_once_and_replayed(config, counting):
+    """Issue 29 item 4: per (profile, B, P) the first step launches plainly (TensorRT wants one launch
+    after a shape change before a capture), the second captures and replays, later ones only replay;
+    the replayed graph reads the KV slots and writes the logits as a launch does."""
+    runner, slots, caches, embeds, stepper = _stepper(config)
+    (context,) = runner.engine.live_contexts
+    for step in range(5):
+        got = stepper.step(embeds)
+        assert np.allclose(got, _want(config, caches, embeds, step), rtol=1e-5, atol=1e-3), step
+    kinds = [call[0] for call in counting.calls]
+    assert kinds.count("begin_capture") == kinds.count("end_capture") == 1, kinds
+    assert kinds.count("graph_launch") == 4 and counting.replays == 4
+    assert [call[0] for call in context.calls].count("execute") == 2  # the plain launch and the captured one
+    assert runner.engine.failures == []
+    slots.free()
+
+
+def test_a_failed_capture_falls_back_to_plain_launches(config, counting, monkeypatch, caplog):
+    runner, slots, caches, embeds, stepper = _stepper(config)
+    monkeypatch.setattr(counting, "cudaStreamBeginCapture", lambda stream, mode: (counting.cudaError_t.cudaErrorStreamCaptureUnsupported,))
+    for step in range(4):
+        assert np.allclose(stepper.step(embeds), _want(config, caches, embeds, step), rtol=1e-5, atol=1e-3)
+    assert "CUDA graph capture failed" in caplog.text and counting.replays == 0 and not runner._graphs
+    assert runner.engine.failures == []
+    slots.free()

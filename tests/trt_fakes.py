@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from trt_cosy.runtime import cuda
 from trt_cosy.runtime.profiles import GraphProfiles
 
 STATIC, ON_PROFILE_CHANGE, USER_MANAGED = 0, 1, 2
@@ -131,8 +132,21 @@ class FakeContext:
         engine.failures.extend([failure] if failure else [])
         if failure:
             return False
-        self.run(stream_handle)
+        launch = getattr(cuda._BINDINGS, "launch", None)  # CountingCuda: recorded while capturing
+        if launch is None:
+            self.run(stream_handle)
+        else:  # what a captured graph bakes in: the shapes and addresses of this launch
+            shapes, addresses = dict(self.shapes), dict(self.addresses)
+            launch(stream_handle, lambda: self._run_as(shapes, addresses, stream_handle))
         return True
+
+    def _run_as(self, shapes: dict, addresses: dict, stream_handle: int) -> None:
+        kept = self.shapes, self.addresses
+        self.shapes, self.addresses = shapes, addresses
+        try:
+            self.run(stream_handle)
+        finally:
+            self.shapes, self.addresses = kept
 
     def run(self, stream_handle: int) -> None:
         """Compute the outputs from the bound addresses (the engine's ``compute``)."""

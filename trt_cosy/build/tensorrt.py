@@ -224,7 +224,8 @@ def _prepare_step_graph(
             for feed in _export_feeds(estimator, config)
         ]
         with tempfile.TemporaryDirectory() as scratch:
-            fp32_step = write_flow_step(engines_dir / f"{estimator}.onnx", Path(scratch) / f"{name}.onnx", rate)
+            fp32_step = Path(scratch) / f"{name}.onnx"
+            write_flow_step(engines_dir / f"{estimator}.onnx", fp32_step, rate)
             parity = write_parity_feeds(engines_dir, name, fp32_step, feeds)
         entry["parity_feeds"] = parity.relative_to(engines_dir).as_posix()
     return entry

@@ -101,8 +101,8 @@ def check_plan(
             value = np.asarray(got[output], np.float64)
             if not np.isfinite(value).all():
                 raise TrtCosyError(
-                    f"TensorRT plan '{name}': output '{output}' has NaN/inf on its parity feed (the fp32 ONNX "
-                    "graph gives finite values). The plan was removed; build with --precision fp32 or "
+                    f"TensorRT plan '{name}': output '{output}' has NaN/inf on its parity feed (the fp32 "
+                    "ONNX graph gives finite values). The plan was removed; build with --precision fp32 or "
                     "report the GPU and TensorRT version."
                 )
             if reference.size:
@@ -114,8 +114,8 @@ def check_plan(
     worst = {output: error for output, error in errors.items() if error > tolerance}
     if worst:
         raise TrtCosyError(
-            f"TensorRT plan '{name}' differs from the fp32 ONNX graph by {worst} (scaled max error, tolerance "
-            f"{tolerance:g}). The plan was removed; build with --precision fp32 or report the GPU and "
+            f"TensorRT plan '{name}' differs from the fp32 ONNX graph by {worst} (scaled max error, "
+            f"tolerance {tolerance:g}). The plan was removed; build with --precision fp32 or report the GPU and "
             "TensorRT version."
         )
     return {"max_error": errors, "feeds": ran, "skipped": skipped, "tolerance": tolerance}

@@ -35,12 +35,12 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
 from ..errors import EngineMismatchError, InputError, TrtCosyError
-from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream
+from .cuda import CudaError, CudaGraph, DeviceBuffer, Event, PinnedBuffer, Stream
 from .llm_decode import LLM_DECODE_NAME, device_cache_inputs
 from .profiles import PROFILES_NAME, GraphProfiles, read_profiles
 from .trt_bindings import PlanIO, TensorInfo, dims, nbytes
@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 _LOGGER = logging.getLogger(__name__)
+MAX_GRAPHS: Final = 128  # captured CUDA graphs kept per slot (least recently made dropped first)
 # Inputs a plan reads from device memory that its caller owns (bound by address at every enqueue).
 BOUND_INPUTS: dict[str, tuple[str, ...]] = {"flow_estimator_incremental": ("past_blocks",)}
 
@@ -152,6 +153,8 @@ class _Slot:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     addresses: dict[str, int] = field(default_factory=dict)
     output_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # enqueue(graph=True): key -> captured graph, or None after the one plain launch it follows
+    graphs: dict[tuple, CudaGraph | None] = field(default_factory=dict)
 
 
 class TrtRunner:
@@ -191,6 +194,7 @@ class TrtRunner:
         self._workspace_need = [self._workspace_size(index) for index in range(count * per_slot)]
         sizes = {n: size for n, size in self._plan.max_bytes().items() if n not in self.external}
         self._slots = [self._make_slot(i, sizes) for i in range(count)]
+        self._graphs = True  # CUDA graphs for enqueue(graph=True), until a capture fails
         self._free: queue.Queue[_Slot] = queue.Queue()
         for slot in self._slots:
             self._free.put(slot)
@@ -307,7 +311,9 @@ class TrtRunner:
                 state.host[name].view(array.dtype, array.shape)[...] = array
                 state.device[name].copy_from_async(state.host[name], array.nbytes, state.stream)
 
-    def enqueue(self, slot: int = 0, addresses: Mapping[str, int] | None = None) -> None:
+    def enqueue(
+        self, slot: int = 0, addresses: Mapping[str, int] | None = None, graph: bool = False
+    ) -> None:
         """Launch the engine on the slot's stream and return at once.
 
         The launch always goes to the stream the slot's profile was switched on: the header calls a
@@ -315,6 +321,12 @@ class TrtRunner:
         Order other work with ``record``/``wait``. ``addresses`` binds device pointers the caller owns
         (e.g. another stage's ``device_tensor``; 256-byte aligned) instead of the slot's buffers.
         Addresses are set only when they differ from the last launch. Never allocates.
+
+        ``graph``: replay a CUDA graph of this launch (one call instead of TensorRT's kernel
+        launches) keyed by the profile, the shapes, the bound addresses and the activation memory;
+        the first launch of a key runs plainly (TensorRT needs one after a shape change before a
+        capture), the second captures, later ones replay. A failed capture turns graphs off for
+        this runner (logged) and launches plainly.
         """
         state = self._slots[slot]
         for name in self.output_names:
@@ -336,7 +348,42 @@ class TrtRunner:
                 state.addresses[name] = ptr
         if not state.memory_bound:  # after every profile switch or growth, right before the launch
             self._bind_workspace(state)
-        self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+        if graph and self._graphs:
+            self._launch_graph(state)
+        else:
+            self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+
+    def _launch_graph(self, state: _Slot) -> None:
+        addresses = tuple(sorted(state.addresses.items()))
+        key = (state.profile, tuple(sorted(state.shapes.items())), addresses, state.workspace.ptr)
+        if key not in state.graphs:
+            state.graphs[key] = None
+            self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+            return
+        captured = state.graphs[key]
+        if captured is None:
+
+            def launch() -> None:
+                ok = state.context.execute_async_v3(state.stream.ptr)
+                self._call(ok, "execute_async_v3 while capturing a CUDA graph")
+
+            try:
+                captured = CudaGraph.capture(state.stream, launch)
+            except (CudaError, TrtCosyError) as exc:
+                _LOGGER.warning(
+                    "%s: CUDA graph capture failed (%s); launching without graphs", self.name, exc
+                )
+                self._graphs = False
+                self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+                return
+            while len(state.graphs) >= MAX_GRAPHS:
+                oldest = next(iter(state.graphs))
+                dropped = state.graphs.pop(oldest)
+                if dropped is not None:
+                    state.stream.synchronize()  # it may still be running
+                    dropped.free()
+            state.graphs[key] = captured
+        captured.launch(state.stream)
 
     def copy_outputs(self, slot: int = 0, names: Collection[str] | None = None) -> dict[str, np.ndarray]:
         """Queue device -> pinned copies of every output (or of ``names``); the views are valid after a
@@ -389,6 +436,10 @@ class TrtRunner:
         """Release every buffer and stream (the runner is unusable afterwards)."""
         for state in self._slots:
             state.stream.synchronize()  # queued launches may still use the memory below
+            for captured in state.graphs.values():
+                if captured is not None:
+                    captured.free()
+            state.graphs = {}
             state.context = None  # the context goes before the activation memory it was given
             self._release_retired(state, wait=True)
             for buffer in (*state.device.values(), *state.host.values(), state.workspace):

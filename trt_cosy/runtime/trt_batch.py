@@ -3,7 +3,8 @@ steps over them (``runtime.llm_decode`` is the contract; ``stages.llm_batch`` dr
 scheduler as on ONNX Runtime).
 
 ``DeviceKVSlots`` holds one device allocation, allocated once, laid out [2L, S, H, C, Dh] in the
-plan's cache dtype (``cache_dtype``: float32 or float16, checked against the slots at every stepper) (keys of layers 0..L-1, then their values; S slots of C positions). Active rows are the first
+plan's cache dtype (``cache_dtype``: float32 or float16, checked against the slots at every stepper;
+keys of layers 0..L-1, then their values; S slots of C positions). Active rows are the first
 ``count`` slots, as in ``kv_slots.KVSlots``: the plan's ``past_key_<i>`` / ``past_value_<i>``
 [B, H, C, Dh] are bound straight to each layer's first B slots (one address per layer, never a copy).
 Each position of a row lives at [z, row, h, position]; moving data in and out is one
@@ -54,14 +55,15 @@ def cache_dtype(runner: Any) -> np.dtype:
     input and the ``new_kv`` output must share it (the slots are copied into and bound as they are);
     a plan that mixes them, or keeps its cache in another type, raises ``EngineMismatchError``."""
     specs = runner.input_specs()
-    found = {name: np.dtype(spec[1]) for name, spec in specs.items() if name.startswith(("past_key_", "past_value_"))}
+    cache = [name for name in specs if name.startswith(("past_key_", "past_value_"))]
+    found = {name: np.dtype(specs[name][1]) for name in cache}
     found["new_kv"] = np.dtype(runner.device_tensor("new_kv")[2])
     kinds = set(found.values())
     if len(kinds) != 1 or not kinds <= set(_CACHE_DTYPES):
         raise EngineMismatchError(
-            f"graph '{runner.name}' keeps its KV cache as {sorted({str(d) for d in kinds})}; the device KV slots "
-            "need one of float32 / float16 for every past_key/past_value input and new_kv. Rebuild the plans "
-            "(`trt-cosy build --backend tensorrt`)."
+            f"graph '{runner.name}' keeps its KV cache as {sorted({str(d) for d in kinds})}; the device KV "
+            "slots need one of float32 / float16 for every past_key/past_value input and new_kv. Rebuild "
+            "the plans (`trt-cosy build --backend tensorrt`)."
         )
     return kinds.pop()
 
@@ -89,7 +91,8 @@ class DeviceKVSlots:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.layers * self.slots * self.kv_heads * self.capacity * self.head_dim * self.dtype.itemsize
+        positions = 2 * self.layers * self.slots * self.kv_heads * self.capacity
+        return positions * self.head_dim * self.dtype.itemsize
 
     @property
     def _position_bytes(self) -> int:
@@ -251,7 +254,7 @@ class _DeviceStepper:
                 slot=index,
             )
             runner.copy_inputs(feed, slot=index, bound=("key_positions",))
-            runner.enqueue(slot=index, addresses=self._addresses)
+            runner.enqueue(slot=index, addresses=self._addresses, graph=True)  # one graph per (profile, B, P)
             new_kv, new_shape, _ = runner.device_tensor("new_kv", slot=index)
             if tuple(new_shape) != (rows, 2 * slots.layers, slots.kv_heads, slots.head_dim):
                 raise TrtCosyError(f"llm_decode gave new_kv {tuple(new_shape)} for {rows} rows")
