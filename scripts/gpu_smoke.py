@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 FAMILIES = {"v2": DATA / "cosyvoice2-tiny", "v3": DATA / "cosyvoice3-tiny"}
 SLOTS = 2
+CLI = (sys.executable, "-m", "trt_cosy.cli")  # the trt-cosy command of this interpreter
 PREPARED_LIMIT = 64 * 2**20  # what may travel to the GPU host
 
 
@@ -254,8 +255,8 @@ def step_nan_kv(work: Path) -> str:
 
 def step_verify(work: Path) -> str:
     for family, release in FAMILIES.items():
-        _run(["trt-cosy", "verify", "--model-dir", str(release), "--golden", str(release / "reference.npz"),
-              "--backend", "tensorrt", "--engines", str(work / family)])
+        golden = ["--model-dir", str(release), "--golden", str(release / "reference.npz")]
+        _run([*CLI, "verify", *golden, "--backend", "tensorrt", "--engines", str(work / family)])
     return "golden tiny v2 and v3 pass on TensorRT"
 
 
@@ -347,8 +348,8 @@ def _run(command: list[str]) -> None:
 def prepare(work: Path) -> int:
     """The --onnx-only engine dirs of the tiny v2 and v3 checkpoints (CPU, needs the [build] extra)."""
     for family, release in FAMILIES.items():
-        _run(["trt-cosy", "build", "--model-dir", str(release), "--out", str(work / family),
-              "--backend", "tensorrt", "--onnx-only"])  # fmt: skip
+        out = ["--out", str(work / family)]
+        _run([*CLI, "build", "--model-dir", str(release), *out, "--backend", "tensorrt", "--onnx-only"])
         print(f"prepared {work / family}")
     return 0
 

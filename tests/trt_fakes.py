@@ -19,6 +19,10 @@ include/NvInferRuntime.h):
 * ``is_shape_inference_io`` and ``get_tensor_profile_shape`` answer from the engine's data.
 
 "Device" memory is host memory (``aligned_block``) so that outputs can be computed with numpy.
+``CountingCuda`` (below) is a pessimistic ``cuda.bindings.runtime``: it counts host<->device bytes
+and host synchronizations, can keep events "in flight", and records stream captures; with it
+installed a context's launch is queued through it (captured into a CUDA graph with the shapes and
+addresses of that launch, replayed by ``cudaGraphLaunch``).
 """
 
 from __future__ import annotations
