@@ -50,7 +50,7 @@ STEPS = (
     Step("fakes", 90, False, "the CPU fakes' byte/synchronize counts and first-run checks (pytest)"),
     Step("gpu-tests", 80, True, "the existing GPU tests (pytest -m gpu: CUDA plumbing, runtime, Euler loop)"),
     Step("build-plans", 180, True, f"every plan of tiny v2 and v3 for {SLOTS} slots, each checked vs fp32"),
-    Step("profiles", 80, True, "every plan, each profile at min/opt/max, switching, vs fp32 ORT, 2 threads"),
+    Step("profiles", 80, True, "every plan at each profile's min/opt/max, switching, vs ORT, 2 threads"),
     Step("nan-kv", 30, True, "batched decode over KV slots poisoned with NaN equals each row alone"),
     Step("verify", 60, True, "trt-cosy verify --backend tensorrt on the golden tiny v2 and v3 sets"),
     Step("timing", 30, True, "CPU enqueue vs GPU time: ms per decode step (B = 1, 4, 16) and per chunk"),
@@ -164,7 +164,9 @@ def step_profiles(work: Path) -> str:
             if name == "flow_estimator_incremental" or summary["graphs"][name].get("derived_from"):
                 continue  # the incremental plan's min/opt/max are not self-consistent feeds; steps: by build
             runner = TrtRunner.from_plan(engines / "plans" / f"{name}.plan", name, graph, slots=SLOTS)
-            reference = OrtRunner.from_path(engines / f"{name}.onnx", name, threads=2, exported=True)
+            fp32 = engines / f"{name}.onnx"  # left out by --prepare where an fp16 twin exists
+            graph_file = fp32 if fp32.is_file() else engines / f"{name}.fp16.onnx"
+            reference = OrtRunner.from_path(graph_file, name, threads=2, exported=True)
             dtypes = {n: spec[1] for n, spec in runner.input_specs().items()}
             order = [(p, w) for p in range(len(graph.profiles)) for w in range(3)]  # min/opt/max of each
 
@@ -350,8 +352,27 @@ def prepare(work: Path) -> int:
     for family, release in FAMILIES.items():
         out = ["--out", str(work / family)]
         _run([*CLI, "build", "--model-dir", str(release), *out, "--backend", "tensorrt", "--onnx-only"])
-        print(f"prepared {work / family}")
+        removed = _strip_fp32_twins(work / family)
+        print(f"prepared {work / family} (fp32 graphs with an fp16 twin left out: {len(removed)})")
     return 0
+
+
+def _strip_fp32_twins(engines: Path) -> list[str]:
+    """Leave out each fp32 ``<graph>.onnx`` that has a ``<graph>.fp16.onnx`` twin, and its line in
+    the manifest's file list: TensorRT builds from the fp16 graphs and each plan is checked against
+    the fp32 outputs stored in ``parity/``, so the fp32 graphs need not travel (both dirs then fit
+    64 MiB). The ``profiles`` step compares with the fp16 graph on ONNX Runtime instead."""
+    manifest_path = engines / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    removed = []
+    for twin in sorted(engines.glob("*.fp16.onnx")):
+        fp32 = engines / twin.name.replace(".fp16.onnx", ".onnx")
+        if fp32.is_file():
+            fp32.unlink()
+            manifest["files"].pop(fp32.name, None)
+            removed.append(fp32.name)
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return removed
 
 
 def run_steps(work: Path, cpu_only: bool, only: list[str] | None, scale: float = 1.0) -> int:
