@@ -97,12 +97,11 @@ def load_engines(
     manifest.check(engines_dir, model_dir, backend=backend)
     config = model_config_from_dict(_read_json(engines_dir / MODEL_CONFIG_NAME))
     if backend == TRT_BACKEND:
-        from .trt import checkpoint_digest
-
-        _check_trt_graphs(engines_dir, config.family)
         from .profiles import PROFILES_NAME, read_profiles
+        from .trt import checkpoint_digest
         from .trt_lazy import deferred_plans, load_plans
 
+        _check_trt_graphs(engines_dir, config.family)
         lazy = deferred_plans(read_profiles(engines_dir / PROFILES_NAME), lazy_graphs)
         digest = checkpoint_digest(manifest.checkpoint)
         runners: dict[str, Runner] = dict(load_plans(engines_dir, slots, checkpoint=digest, lazy=lazy))
