@@ -218,6 +218,11 @@ class ProfileLimits:
     """Flow tokens (prompt + chunks so far) of the short bucket; its opt is a quarter of it."""
     max_tokens: int = 1500
     """Flow tokens of the long bucket (2 mel frames each: 3000 frames = 60 s, the official maximum)."""
+    stream_mid_tokens: int = 1000
+    """Flow tokens of the streaming estimator's middle bucket (``stream_mid``, between ``stream_tokens``
+    and ``max_tokens``; opt a quarter of the way up): a segment past the short bucket (about 10 s of speech
+    after a prompt) keeps kernels tuned near its length instead of at the long bucket's opt. Not above
+    ``stream_tokens``: no middle bucket."""
     stream_frames: int = 512
     """HiFT mel frames of the streaming bucket (a chunk of 50 new frames plus 8 cached)."""
     hift_cache_frames: int = 8
@@ -303,9 +308,14 @@ def _flow_encoder_profiles(config: ModelConfig, limits: ProfileLimits, streaming
 
 
 def _estimator_profiles(
-    name: str, mels: int, short: tuple[int, int, int], long: tuple[int, int, int]
+    name: str,
+    mels: int,
+    short: tuple[int, int, int],
+    long: tuple[int, int, int],
+    middle: tuple[int, int, int] | None = None,
 ) -> GraphProfiles:
-    """The CFM estimator contract (U-Net or DiT) over mel frame ranges ``short`` and ``long``."""
+    """The CFM estimator contract (U-Net or DiT) over mel frame ranges ``short``, ``middle`` (when
+    given: the streaming estimator) and ``long``; ``select`` takes the first that fits."""
 
     def profile(label: str, frames: tuple[int, int, int]) -> ShapeProfile:
         wide = tuple((2, mels, f) for f in frames)  # [2, 80, F]: the CFG pair
@@ -319,7 +329,20 @@ def _estimator_profiles(
         }
         return ShapeProfile(label, shapes)  # type: ignore[arg-type]
 
-    return GraphProfiles(name, (profile("stream", short), profile("long", long)))
+    buckets = [("stream", short), *([("stream_mid", middle)] if middle else []), ("long", long)]
+    return GraphProfiles(name, tuple(profile(label, frames) for label, frames in buckets))
+
+
+def _middle_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[int, int, int] | None:
+    """The streaming estimator's middle bucket (issue 29 item 5): frames up to ``stream_mid_tokens``'
+    (capped at the long bucket's), opt a quarter of the way from the short bucket's end to that: a
+    growing streaming segment passes its low end first (the long bucket's opt is at half its max)."""
+    ratio = config.token_mel_ratio
+    top = ratio * min(limits.stream_mid_tokens, limits.max_tokens)
+    low = ratio * limits.stream_tokens
+    if top <= low:
+        return None
+    return _range(1, (3 * low + top) // 4, top)
 
 
 def _token_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[tuple[int, int, int], ...]:
@@ -362,7 +385,9 @@ def _v2_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfil
         _llm_profiles(_qwen_dims(config), limits),
         _flow_encoder_profiles(config, limits, streaming=True),
         _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
-        _estimator_profiles("flow_estimator_stream", config.flow.output_size, short, long),
+        _estimator_profiles(
+            "flow_estimator_stream", config.flow.output_size, short, long, _middle_frames(config, limits)
+        ),
         _hift_profiles("hift", config.hift, hift_frames, ((0, cached, cached), (0, cached, cached))),
     ]
 
@@ -379,7 +404,9 @@ def _v3_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfil
         _llm_profiles(_qwen_dims(config), limits),
         _flow_encoder_profiles(config, limits, streaming=False),
         _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
-        _estimator_profiles("flow_estimator_stream", config.flow.output_size, short, long),
+        _estimator_profiles(
+            "flow_estimator_stream", config.flow.output_size, short, long, _middle_frames(config, limits)
+        ),
         _hift_profiles("hift", config.hift, (stream, long), None),
         _hift_profiles("hift_stream", config.hift, (stream_only, (least, *long[1:])), None),
     ]
