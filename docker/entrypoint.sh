@@ -26,6 +26,9 @@ ensure_engines() {
         exit 2
     fi
     # TensorRT plans are per GPU and TensorRT version: build the missing or stale ones, keep the rest.
+    # A first start builds every plan (each one tunes its kernels: minutes per plan at full size, the
+    # LLM plans the longest); each plan prints "[k/N] ... building" and "built in S s" as it goes.
+    log "building the TensorRT plans that are missing or stale (first start: every plan; see progress below)"
     python3 -m trt_cosy.builder.trt.plans "$ENGINES_DIR"
 }
 

@@ -375,3 +375,55 @@ def test_flow_stage_uses_the_device_loop_and_matches_the_host_loop(fake_cuda, st
     assert device_euler_loops({}, config) == {}  # ONNX Runtime / torch runners: the host loop
     for loop in loops.values():
         loop.free()
+
+
+def test_chained_solves_never_overwrite_pinned_staging_in_flight(fake_cuda, step_runner, monkeypatch):
+    """Issue 29 item 9: two enqueues on one slot without a synchronize between them. The second must
+    wait (on the host) for the event after the first one's uploads before it writes the pinned
+    staging buffers again; where the event has passed, nothing waits."""
+    steps, frames = 3, 12
+    inputs = _inputs(frames, seed=4)
+    feed = guidance_feed(inputs["noise"], inputs["mu"], inputs["mask"], inputs["spks"], inputs["cond"])
+    with DeviceEulerLoop(step_runner, step_schedule(cosine_t_span(steps))) as loop:
+        with step_runner.slot() as slot:
+            fake_cuda.calls.clear()
+            loop.enqueue(feed, slot)
+            assert fake_cuda.count("synchronize") == 0  # the first solve has nothing to wait for
+            staged = next(c for c in fake_cuda.calls if c[0] == "record")[1]  # recorded after the uploads
+            monkeypatch.setattr(fake_cuda, "cudaEventQuery", lambda event: (600,))  # still in flight
+            monkeypatch.setattr(fake_cuda.cudaError_t, "cudaErrorNotReady", 600, raising=False)
+            fake_cuda.calls.clear()
+            loop.enqueue(feed, slot)
+            kinds = [c[0] for c in fake_cuda.calls]
+            assert ("synchronize", staged) in fake_cuda.calls, fake_cuda.calls
+            first_upload = next(i for i, c in enumerate(fake_cuda.calls) if c[0] == "copy" and c[1] == 1)
+            assert kinds.index("synchronize") < first_upload, kinds  # waited before overwriting staging
+            monkeypatch.setattr(fake_cuda, "cudaEventQuery", lambda event: (0,))  # passed: no wait
+            fake_cuda.calls.clear()
+            loop.enqueue(feed, slot)
+            assert fake_cuda.count("synchronize") == 0, fake_cuda.calls
+
+
+def test_a_solve_moves_the_same_bytes_whatever_its_step_count(monkeypatch):
+    """Per solve, counted with tests/trt_fakes.CountingCuda: the inputs up once and x down once, one
+    synchronize; the (t, dt) schedule is on the device, so 3 and 10 steps move the same bytes."""
+    from trt_fakes import CountingCuda
+
+    counting = CountingCuda()
+    monkeypatch.setattr(cuda, "_BINDINGS", counting)
+    frames, moved = 12, {}
+    inputs = _inputs(frames, seed=5)
+    feed = guidance_feed(inputs["noise"], inputs["mu"], inputs["mask"], inputs["spks"], inputs["cond"])
+    profiles = step_profiles(_estimator_profiles(), "flow_step")
+    for steps in (3, 10):
+        with TrtRunner(_step_engine([], profiles, slots=1), "flow_step", profiles, trt=FAKE_TRT) as runner:
+            with DeviceEulerLoop(runner, step_schedule(cosine_t_span(steps))) as loop:
+                loop.run(feed)  # the first solve selects the profile
+                mark = counting.mark()
+                loop.run(feed)
+                moved[steps] = counting.since(mark)
+            assert runner.engine.failures == []
+    up = sum(np.asarray(value).nbytes for value in feed.values())  # t and dt: bound from the table
+    assert moved[3] == moved[10] == {"to_device": up, "to_host": feed["x"].nbytes, "device": 0,
+                                     "synchronizes": 1}, moved  # fmt: skip
+    gc.collect()

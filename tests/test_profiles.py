@@ -85,12 +85,18 @@ def test_flow_and_hift_pick_streaming_then_long_buckets(profiles):
         wide = (2, 80, count)
         return {"x": wide, "mask": (2, 1, count), "mu": wide, "t": (2,), "spks": (2, 80), "cond": wide}
 
-    assert [estimator.profiles[estimator.select(frames(f))].name for f in (100, 1000, 1001, 3000)] == [
+    assert [estimator.profiles[estimator.select(frames(f))].name for f in (100, 1000, 1001, 2000, 2001, 3000)] == [
         "stream",
         "stream",
+        "stream_mid",  # issue 29 item 5: a growing streaming segment leaves "stream" for kernels tuned near it
+        "stream_mid",
         "long",
         "long",
     ]
+    assert estimator.profiles[1].shapes["x"] == ((2, 80, 1), (2, 80, 1250), (2, 80, 2000))
+    plain = profiles["flow_estimator"]  # whole utterances: no middle bucket
+    assert [p.name for p in plain.profiles] == ["stream", "long"]
+    assert [p.name for p in profiles["flow_step_stream"].profiles] == ["stream", "stream_mid", "long"]
     with pytest.raises(InputError, match="flow_estimator_stream"):
         estimator.select({**frames(100), "x": (1, 80, 100)})  # batch 1: CFG needs the pair
 

@@ -69,6 +69,16 @@ def test_onnx_only_writes_fp16_graphs_profiles_and_manifest(tiny_release: Path, 
     assert [p["name"] for p in profiles["flow_estimator_incremental"]["profiles"]] == ["chunk", "long"]
     assert summary["graphs"]["flow_estimator_incremental"]["onnx"] == "flow_estimator_incremental.fp16.onnx"
     assert not (out / "plans").exists()
+    # every graph's parity feeds with the fp32 outputs each plan is checked against (issue 29 item 8)
+    from trt_cosy.builder.trt.parity import read_parity_feeds
+
+    for graph, entry in summary["graphs"].items():
+        pairs = read_parity_feeds(out / entry["parity_feeds"])
+        assert pairs and all(feed and outputs for feed, outputs in pairs), graph
+        assert all(np.isfinite(v).all() for _, outputs in pairs for v in outputs.values()), graph
+    assert set(read_parity_feeds(out / "parity" / "flow_step.npz")[0][1]) == {"x_next"}
+    size = sum(path.stat().st_size for path in (out / "parity").iterdir())
+    assert size < 16 * 2**20, size  # tiny engines stay small enough to carry to a GPU host
     # rerun is a manifest-match skip
     again = CliRunner().invoke(main, ["build", "--model-dir", str(tiny_release), "--out", str(out),
                                       "--backend", "tensorrt", "--onnx-only"])

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_trt_runtime import FakeCuda
-from trt_fakes import FAKE_TRT, FakeEngine
+from trt_fakes import FAKE_TRT, CountingCuda, FakeEngine
 
 from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config, trt_profiles
@@ -80,7 +79,7 @@ def test_profile_limits_follow_the_flow_cache_limit(config):
     assert shapes["chunk"]["x"] == ((2, 80, 1), (2, 80, 200), (2, 80, 200))  # a 100-token hop
     assert shapes["chunk"]["past_blocks"] == ((0, 56, 2, 256), (500, 56, 2, 256), (1850, 56, 2, 256))
     assert shapes["long"]["x"] == ((2, 80, 1), (2, 80, 250), (2, 80, 1872))
-    assert shapes["long"]["past_blocks"] == ((0, 56, 2, 256), (0, 56, 2, 256), (1850, 56, 2, 256))
+    assert shapes["long"]["past_blocks"] == ((0, 56, 2, 256), (50, 56, 2, 256), (1850, 56, 2, 256))  # opt: a chunk
     assert shapes["long"]["past_tails"][0] == (2, cache_layout(full.flow.estimator)[2], 2)
 
 
@@ -312,7 +311,7 @@ def test_the_tensorrt_graphs_on_onnxruntime_equal_recomputation(trt_tiny, config
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    fake = FakeCuda()
+    fake = CountingCuda()  # device-to-device copies: the cache's appends
     monkeypatch.setattr(cuda, "_BINDINGS", fake)
     return fake
 
@@ -336,7 +335,9 @@ def _fake_trt_runner(trt_tiny: Path, config, limits: ProfileLimits):
         compute=lambda views: graph.infer({n: np.array(v) for n, v in views.items()}),
         output_shape=output_shape,
     )
-    return TrtRunner(engine, NAME, profiles, trt=FAKE_TRT), engine, graph
+    from trt_cosy.runtime.trt import BOUND_INPUTS  # past_blocks: the cache's device store
+
+    return TrtRunner(engine, NAME, profiles, trt=FAKE_TRT, external=BOUND_INPUTS[NAME]), engine, graph
 
 
 @pytest.mark.slow
@@ -350,7 +351,7 @@ def test_a_trt_runner_binds_the_cache_tensors_and_matches_onnxruntime(trt_tiny, 
     assert incremental_frames(config, limits) == 400
     sizes = {name: buffer.nbytes for name, buffer in runner._slots[0].device.items()}
     blocks, width, _ = cache_layout(config.flow.estimator)
-    assert sizes["past_blocks"] == 350 * blocks * 2 * width * 4  # the largest P of the profiles
+    assert "past_blocks" not in sizes  # bound to the cache's own device store, sized to need (issue 29)
     assert sizes["new_blocks"] == 400 * blocks * 2 * width * 4  # the largest T
     flow = _stage(trt_tiny, config, "fp16", runner)
     assert flow.cache_max_frames == 400

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from _support import require_build_extra
 from test_trt_runtime import FakeCuda
-from trt_fakes import FAKE_TRT, FakeEngine
+from trt_fakes import FAKE_TRT, CountingCuda, FakeEngine
 
 from trt_cosy.runtime import cuda
 from trt_cosy.runtime.kv_slots import PrefillCache
@@ -216,7 +216,7 @@ class FakeCuda3D(FakeCuda):
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    fake = FakeCuda3D()
+    fake = CountingCuda()  # FakeCuda3D's copies plus CUDA graph capture (the decode step replays one)
     monkeypatch.setattr(cuda, "_BINDINGS", fake)
     return fake
 

@@ -13,10 +13,11 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from trt_cosy.builder.trt import plans as trt_build
-from trt_cosy.errors import TrtCosyError
+from trt_cosy.errors import InputError, TrtCosyError
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, write_profiles
 from trt_cosy.runtime.trt import PlanRecord
 
@@ -39,6 +40,8 @@ class _Profile:
         )
         if not ok:
             raise RuntimeError("Shape provided for min is inconsistent with other shapes.")
+        if 0 in tuple(opt):  # pessimistic: TensorRT tunes at opt; a zero-volume opt is refused here
+            raise RuntimeError("Shape provided for opt has a zero dimension.")
         self.shapes[name] = (tuple(low), tuple(opt), tuple(high))
 
 
@@ -235,3 +238,113 @@ def test_build_plans_records_slots_and_rebuilds_when_they_change(tmp_path, monke
     assert "kept" in messages[-1], messages
     trt_build.build_plans(tmp_path, slots=1, progress=messages.append)
     assert any("built for 2 slot(s), 1 wanted" in m for m in messages), messages
+
+
+def test_a_profile_with_an_empty_opt_shape_stops_the_build(tmp_path):
+    """Issue 29 item 7: tactics are tuned at opt; an opt with a zero dimension is refused before TensorRT."""
+    empty = GraphProfiles("toy", (ShapeProfile("prefill", {"x": ((1, 0, 4), (1, 0, 4), (1, 16, 4))}),))
+    trt = fake_tensorrt({"inputs": ["x"]})
+    with pytest.raises(TrtCosyError, match=r"profile 'prefill' has an empty opt shape for \['x'\]"):
+        trt_build.build_plan(_graph_file(tmp_path, ["x"]), tmp_path / "toy.plan", empty, trt=trt)
+    assert not (tmp_path / "toy.plan").exists() and trt.made["configs"][0].profiles == []
+
+
+@pytest.mark.parametrize("release", ["cosyvoice1-tiny", "cosyvoice2-tiny", "cosyvoice3-tiny"])
+def test_every_default_profile_has_a_non_empty_opt(release):
+    """Issue 29 item 7: the LLM prefill past length, the incremental estimator's long P and the HiFT
+    long cache had opt 0. Every profile TensorRT gets (llm_decode and the incremental estimator too)."""
+    from trt_cosy.models.registry import read_release_config
+    from trt_cosy.runtime.incremental_profiles import incremental_profiles
+    from trt_cosy.runtime.profiles import default_profiles, llm_decode_profiles
+
+    config = read_release_config(Path(__file__).parent / "data" / release)
+    graphs = default_profiles(config)
+    if config.family != "v1":
+        graphs["llm_decode"] = llm_decode_profiles(config)
+    if config.family == "v2":
+        graphs["flow_estimator_incremental"] = incremental_profiles(config)
+    empty = {f"{g}/{p.name}": p.empty_opt() for g, graph in graphs.items() for p in graph.profiles}
+    assert not {k: v for k, v in empty.items() if v}, empty
+    for graph in graphs.values():  # and the fake builder (refusing zero opt dims) accepts them all
+        for profile in graph.profiles:
+            profile.to_trt(SimpleNamespace(create_optimization_profile=_Profile))
+
+
+# -- each new plan against the fp32 graph (issue 29 item 8) -------------------------------------------
+
+
+class _PlanRunner:
+    """What ``_plan_runner`` gives: ``infer`` answers the fp32 outputs, changed by ``damage``."""
+
+    def __init__(self, damage):
+        self.damage, self.freed = damage, False
+
+    def infer(self, feed):
+        if feed["x"].shape[1] > 128:  # the real runner refuses a feed beyond its profiles so
+            raise InputError("beyond the largest TensorRT profile")
+        return {"y": self.damage(2.0 * np.asarray(feed["x"], np.float32))}
+
+    def free(self):
+        self.freed = True
+
+
+def _prepared(tmp_path: Path, with_feeds: bool = True) -> None:
+    _graph_file(tmp_path, ["x"])
+    write_profiles({"toy": PROFILES}, tmp_path / "profiles.json")
+    summary = {"graphs": {"toy": {"onnx": "toy.onnx", "onnx_sha256": "aa"}}, "precision": "fp16",
+               "checkpoint": "cc", "profiles": "profiles.json"}  # fmt: skip
+    (tmp_path / trt_build.TRT_SUMMARY_NAME).write_text(json.dumps(summary))
+    if with_feeds:  # as write_parity_feeds stores them: two feeds (one beyond every profile) and y = 2x
+        (tmp_path / "parity").mkdir()
+        x, wide = np.linspace(-3, 3, 40, dtype=np.float32).reshape(1, 10, 4), np.ones((1, 200, 4), np.float32)
+        np.savez(tmp_path / "parity" / "toy.npz", **{"0/in/x": x, "0/out/y": 2 * x, "1/in/x": wide, "1/out/y": 2 * wide})
+
+
+def _build(tmp_path, monkeypatch, damage):
+    trt = fake_tensorrt({"inputs": ["x"]})
+    system = {"gpu": "Fake GPU", "compute_capability": "9.0", "tensorrt": "10.12.0"}
+    monkeypatch.setattr(trt_build, "load_tensorrt", lambda: trt)
+    monkeypatch.setattr(trt_build, "current_system", lambda trt: system)
+    made = []
+
+    def runner(path, name, profiles):
+        assert path.is_file() and name == "toy"
+        made.append(_PlanRunner(damage))
+        return made[-1]
+
+    monkeypatch.setattr(trt_build, "_plan_runner", runner)
+    messages: list[str] = []
+    return messages, made, lambda: trt_build.build_plans(tmp_path, progress=messages.append)
+
+
+def test_a_new_plan_is_checked_against_the_fp32_outputs_and_recorded(tmp_path, monkeypatch):
+    _prepared(tmp_path)
+    messages, made, build = _build(tmp_path, monkeypatch, lambda y: y + np.float32(1e-3))
+    build()
+    parity = json.loads((tmp_path / "plans" / "parity.json").read_text())
+    assert parity["toy"]["feeds"] == 1 and parity["toy"]["skipped"] == 1, parity  # 200 frames: no profile
+    assert parity["toy"]["max_error"]["y"] == pytest.approx(1e-3 / 6.0, rel=1e-3)  # scaled by max |y| = 6
+    assert parity["toy"]["tolerance"] == 1e-2 and made[0].freed
+    assert any("plan vs fp32 ONNX on 1 feed(s): y 1.67e-04" in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [(lambda y: np.where(y > 5, np.nan, y), "NaN/inf"), (lambda y: 1.1 * y, r"differs.*'y': 0.1.*tolerance 0.01")],
+)
+def test_a_plan_with_nan_or_beyond_the_tolerance_fails_the_build_and_is_removed(tmp_path, monkeypatch, damage, match):
+    _prepared(tmp_path)
+    _, made, build = _build(tmp_path, monkeypatch, damage)
+    with pytest.raises(TrtCosyError, match=match):
+        build()
+    plans = tmp_path / "plans"
+    assert not (plans / "toy.plan").exists() and not (plans / "toy.json").exists()  # rebuilt next time
+    assert "toy" not in json.loads((plans / "parity.json").read_text()) and made[0].freed
+
+
+def test_a_plan_prepared_without_feeds_is_recorded_as_unchecked(tmp_path, monkeypatch):
+    _prepared(tmp_path, with_feeds=False)
+    messages, made, build = _build(tmp_path, monkeypatch, lambda y: y)
+    build()
+    assert json.loads((tmp_path / "plans" / "parity.json").read_text())["toy"] == {"feeds": 0, "skipped": "no parity feeds"}
+    assert not made and any("plan not checked" in m for m in messages)

@@ -405,8 +405,38 @@ def test_activation_memory_is_per_context_and_grows_per_profile(fake_cuda):
     assert grown == [4096, 8192], runner.device_memory()
     ran = next(ctx for ctx in _slot_contexts(engine) if ctx.profile == 1)
     order = [(c[0], c[-1]) for c in ran.calls if c[0] in ("memory", "profile")]
-    assert order == [("memory", 4096), ("memory", 8192), ("profile", 1)], order  # memory before the switch
+    # grown before the switch, bound again after it (the fake drops the binding on every switch)
+    assert order == [("memory", 4096), ("memory", 8192), ("profile", 1), ("memory", 8192)], order
     assert engine.failures == []
+
+
+def test_the_activation_memory_is_bound_again_after_every_profile_switch(fake_cuda):
+    """Issue 29 item 6: re-bind set_device_memory after each switch, right before the launch."""
+    engine = toy_engine()
+    runner = TrtRunner(engine, "toy", PROFILES, trt=FAKE_TRT)
+    (context,) = _slot_contexts(engine)
+    for frames in (5, 40, 5, 40, 41):  # short, long, short, long, long (same profile: no switch)
+        x = np.full((1, frames, 4), float(frames), np.float32)
+        assert np.array_equal(runner.infer({"x": x})["y"], 2 * x)
+    kinds = [c[0] for c in context.calls if c[0] in ("profile", "memory", "execute")]
+    assert kinds.count("profile") == 4 and kinds.count("execute") == 5, " ".join(kinds)
+    for at, kind in enumerate(kinds):
+        if kind == "profile":  # the next call after every switch binds the memory, before any launch
+            assert kinds[at + 1] == "memory", kinds
+    assert engine.failures == []
+
+
+def test_the_fake_refuses_a_launch_without_memory_after_a_switch(fake_cuda):
+    """The pessimistic fake: a profile switch drops the set_device_memory binding."""
+    engine = toy_engine()
+    context = engine.create_execution_context(USER_MANAGED)
+    context.set_device_memory(1 << 20, 8192)
+    context.set_optimization_profile_async(1, 7)
+    context.set_input_shape("x", (1, 40, 4))
+    for name in ("x", "y"):
+        context.set_tensor_address(name, 256)
+    assert context.execute_async_v3(7) is False
+    assert "activation memory None" in engine.failures[-1]
 
 
 def _fake_trt_module(make_engine):
@@ -640,3 +670,46 @@ def test_two_threads_on_two_slots_match_onnxruntime_on_gpu(tmp_path):
         print(f"device memory per context: {memory}")
     assert not errors, errors[:5]
     assert len(memory) == 2 and all(m["activations"] <= m["activations_max"] for m in memory)
+
+
+def test_lazy_plans_are_checked_at_load_and_deserialised_on_first_use(fake_cuda, monkeypatch, tmp_path):
+    """Issue 29 item 3: plans load when first needed; the record check still happens at load."""
+    import json
+
+    from trt_cosy.runtime import trt as trt_runtime
+    from trt_cosy.runtime.profiles import write_profiles
+    from trt_cosy.runtime.trt_lazy import LazyTrtRunner, load_plans
+
+    made = []
+    trt, _ = _fake_trt_module(lambda: made.append(toy_engine()) or made[-1])
+    monkeypatch.setattr(trt_runtime, "load_tensorrt", lambda: trt)
+    monkeypatch.setattr(trt_runtime, "current_system", lambda trt: SYSTEM)
+    write_profiles({"toy": PROFILES}, tmp_path / "profiles.json")
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "toy.plan").write_bytes(b"plan")
+    record = _record(graph="toy", plan="toy.plan", slots=1)
+    (tmp_path / "plans" / "toy.json").write_text(json.dumps(record.to_dict()))
+    runner = load_plans(tmp_path, lazy={"toy"})["toy"]
+    assert isinstance(runner, LazyTrtRunner) and not made and not runner.loaded
+    assert runner.profiles == PROFILES and runner.slots == 1
+    malloc_before = sum(1 for c in fake_cuda.calls if c[0] == "malloc")
+    assert malloc_before == 0  # no buffers, no activation memory yet
+    x = np.ones((1, 5, 4), np.float32)
+    assert np.array_equal(runner.infer({"x": x})["y"], 2 * x) and len(made) == 1
+    with runner.slot() as slot:  # the TrtRunner hot path through the lazy runner, no second load
+        runner.set_shapes({"x": x.shape}, slot)
+    assert len(made) == 1 and runner.loaded
+    runner.free()
+    (tmp_path / "plans" / "toy.plan").unlink()
+    with pytest.raises(EngineMismatchError, match="does not exist"):  # a missing plan: refused at load
+        load_plans(tmp_path, lazy={"toy"})
+
+
+def test_plain_estimator_plans_are_deferred_where_step_plans_exist():
+    from trt_cosy.runtime.trt_lazy import deferred_plans
+
+    plans = ["llm", "llm_decode", "flow_encoder", "flow_estimator", "flow_estimator_stream", "flow_step",
+             "flow_step_stream", "hift"]  # fmt: skip
+    assert deferred_plans(plans, {"hift_stream"}) == {"flow_estimator", "flow_estimator_stream"}
+    assert deferred_plans(plans[:5] + ["hift"], {"flow_estimator_stream"}) == {"flow_estimator_stream"}
+    assert deferred_plans([*plans, "hift_stream"], {"hift_stream"}) >= {"hift_stream"}

@@ -9,7 +9,9 @@ include/NvInferRuntime.h):
   separate optimization profile", ``class IExecutionContext``).
 * ``set_input_shape`` returns False for a shape outside the selected profile (or a "rejected" max
   shape: a stale plan) and the tensor's shape then reads as -1 dims from ``get_tensor_shape``.
-* A profile switch forgets the shapes and the bound addresses (the header promises neither survives).
+* A profile switch forgets the shapes, the bound addresses and the activation memory given with
+  ``set_device_memory`` (pessimistic: the header promises none of them survives; Polygraphy binds the
+  memory again right before every launch).
 * ``set_tensor_address`` returns False for an address that is not 256-byte aligned.
 * ``execute_async_v3`` returns False when an address is unset, when the launch stream is not the
   one the profile was switched on (unsynchronised streams), or, for ``USER_MANAGED`` contexts, when
@@ -17,6 +19,10 @@ include/NvInferRuntime.h):
 * ``is_shape_inference_io`` and ``get_tensor_profile_shape`` answer from the engine's data.
 
 "Device" memory is host memory (``aligned_block``) so that outputs can be computed with numpy.
+``CountingCuda`` (below) is a pessimistic ``cuda.bindings.runtime``: it counts host<->device bytes
+and host synchronizations, can keep events "in flight", and records stream captures; with it
+installed a context's launch is queued through it (captured into a CUDA graph with the shapes and
+addresses of that launch, replayed by ``cudaGraphLaunch``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from trt_cosy.runtime import cuda
 from trt_cosy.runtime.profiles import GraphProfiles
 
 STATIC, ON_PROFILE_CHANGE, USER_MANAGED = 0, 1, 2
@@ -80,7 +87,7 @@ class FakeContext:
         engine.selected = {k: v for k, v in engine.selected.items() if v() is not self}
         engine.selected[index] = weakref.ref(self)
         self.profile, self.profile_stream = index, stream
-        self.shapes, self.addresses = {}, {}
+        self.shapes, self.addresses, self.memory = {}, {}, None
         return True
 
     def set_input_shape(self, name: str, shape: Sequence[int]) -> bool:
@@ -129,8 +136,21 @@ class FakeContext:
         engine.failures.extend([failure] if failure else [])
         if failure:
             return False
-        self.run(stream_handle)
+        launch = getattr(cuda._BINDINGS, "launch", None)  # CountingCuda: recorded while capturing
+        if launch is None:
+            self.run(stream_handle)
+        else:  # what a captured graph bakes in: the shapes and addresses of this launch
+            shapes, addresses = dict(self.shapes), dict(self.addresses)
+            launch(stream_handle, lambda: self._run_as(shapes, addresses, stream_handle))
         return True
+
+    def _run_as(self, shapes: dict, addresses: dict, stream_handle: int) -> None:
+        kept = self.shapes, self.addresses
+        self.shapes, self.addresses = shapes, addresses
+        try:
+            self.run(stream_handle)
+        finally:
+            self.shapes, self.addresses = kept
 
     def run(self, stream_handle: int) -> None:
         """Compute the outputs from the bound addresses (the engine's ``compute``)."""
@@ -211,3 +231,186 @@ class FakeEngine:
     @property
     def live_contexts(self) -> list[FakeContext]:
         return [c for c in (ref() for ref in self.contexts) if c is not None]
+
+
+# -- a counting, pessimistic cuda.bindings.runtime --------------------------------------------------
+
+
+class CountingCuda:
+    """``cuda.bindings.runtime`` over host memory that counts what a GPU run would pay for.
+
+    * ``bytes``: bytes moved per direction ("to_device", "to_host", "device"), 1-D and 3-D copies;
+    * ``synchronizes``: host waits (stream and event synchronize);
+    * ``events_done``: what ``cudaEventQuery`` answers (False: pessimistic, work still in flight);
+    * CUDA graph capture (``cudaStreamBeginCapture`` ... ``cudaGraphLaunch``): launches made while a
+      stream captures are recorded, not run, and run on every replay; a host copy or a synchronize on
+      a capturing stream fails, as on a GPU (``cudaErrorStreamCaptureUnsupported``).
+
+    ``mark()`` returns a snapshot; ``since(mark)`` the counts after it.
+    """
+
+    class cudaError_t:  # noqa: N801 - the bindings' name
+        cudaSuccess = 0
+        cudaErrorMemoryAllocation = 2
+        cudaErrorNotReady = 600
+        cudaErrorStreamCaptureUnsupported = 900
+
+    cudaStreamNonBlocking, cudaEventDisableTiming, cudaEventDefault = 1, 2, 0
+    cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3)
+    cudaStreamCaptureMode = SimpleNamespace(cudaStreamCaptureModeThreadLocal=1, cudaStreamCaptureModeGlobal=0)
+    cudaMemcpy3DParms = SimpleNamespace
+    _DIRECTIONS = {1: "to_device", 2: "to_host", 3: "device"}
+    OK = (0,)
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, Any] = {}
+        self.calls: list[tuple] = []
+        self.bytes = {"to_device": 0, "to_host": 0, "device": 0}
+        self.synchronizes = 0
+        self.events_done = True
+        self.handles = 1000
+        self.capturing: dict[int, list[Callable[[], None]]] = {}  # stream -> recorded work
+        self.graphs: dict[int, list[Callable[[], None]]] = {}
+        self.replays = 0
+
+    # memory
+    def _handle(self) -> tuple[int, int]:
+        self.handles += 1
+        return (0, self.handles)
+
+    def cudaMalloc(self, size):
+        return (0, aligned_block(self.blocks, size))
+
+    cudaMallocHost = cudaMalloc
+
+    def cudaFree(self, ptr):
+        self.blocks.pop(ptr)
+        return self.OK
+
+    cudaFreeHost = cudaFree
+
+    def _copy(self, stream, kind, count, work):
+        if kind != 3 and stream in self.capturing:  # host copies are not captured in this project
+            return (self.cudaError_t.cudaErrorStreamCaptureUnsupported,)
+        if stream in self.capturing:
+            self.capturing[stream].append(work)
+        else:
+            work()
+        self.bytes[self._DIRECTIONS[int(kind)]] += int(count)
+        return self.OK
+
+    def cudaMemcpyAsync(self, dst, src, count, kind, stream):
+        self.calls.append(("copy", int(kind), int(count)))
+        return self._copy(stream, kind, count, lambda: ctypes.memmove(dst, src, count))
+
+    def cudaMemcpy(self, dst, src, count, kind):
+        self.synchronizes += 1  # a synchronous copy waits like a synchronize
+        return self.cudaMemcpyAsync(dst, src, count, kind, None)
+
+    @staticmethod
+    def make_cudaPitchedPtr(ptr, pitch, xsize, ysize):
+        return SimpleNamespace(ptr=ptr, pitch=pitch, xsize=xsize, ysize=ysize)
+
+    @staticmethod
+    def make_cudaExtent(width, height, depth):
+        return SimpleNamespace(width=width, height=height, depth=depth)
+
+    def cudaMemcpy3DAsync(self, params, stream):
+        src, dst, extent = params.srcPtr, params.dstPtr, params.extent
+        self.calls.append(("copy3d", int(params.kind), extent.width, extent.height, extent.depth))
+        if extent.width > min(src.pitch, dst.pitch):
+            return (self.cudaError_t.cudaErrorMemoryAllocation,)
+
+        def work():
+            for z in range(extent.depth):
+                for y in range(extent.height):
+                    source = src.ptr + (z * src.ysize + y) * src.pitch
+                    ctypes.memmove(dst.ptr + (z * dst.ysize + y) * dst.pitch, source, extent.width)
+
+        return self._copy(stream, params.kind, extent.width * extent.height * extent.depth, work)
+
+    # streams, events
+    def cudaStreamCreateWithFlags(self, flags):
+        return self._handle()
+
+    cudaEventCreateWithFlags = cudaStreamCreateWithFlags
+
+    def cudaStreamDestroy(self, handle):
+        return self.OK
+
+    cudaEventDestroy = cudaStreamDestroy
+
+    def cudaStreamSynchronize(self, stream):
+        if stream in self.capturing:
+            return (self.cudaError_t.cudaErrorStreamCaptureUnsupported,)
+        self.synchronizes += 1
+        self.calls.append(("synchronize", stream))
+        return self.OK
+
+    def cudaEventSynchronize(self, event):
+        self.synchronizes += 1
+        self.calls.append(("synchronize", event))
+        return self.OK
+
+    def cudaStreamWaitEvent(self, stream, event, flags):
+        self.calls.append(("wait", stream, event))
+        return self.OK
+
+    def cudaEventRecord(self, event, stream):
+        self.calls.append(("record", event, stream))
+        return self.OK
+
+    def cudaEventQuery(self, event):
+        return self.OK if self.events_done else (self.cudaError_t.cudaErrorNotReady,)
+
+    def cudaGetErrorName(self, err):
+        names = {v: k for k, v in vars(self.cudaError_t).items() if not k.startswith("_")}
+        return (0, names.get(int(err), "cudaErrorUnknown").encode())
+
+    def cudaGetErrorString(self, err):
+        return (0, b"")
+
+    # CUDA graphs
+    def cudaStreamBeginCapture(self, stream, mode):
+        self.calls.append(("begin_capture", stream))
+        self.capturing[stream] = []
+        return self.OK
+
+    def cudaStreamEndCapture(self, stream):
+        self.calls.append(("end_capture", stream))
+        work = self.capturing.pop(stream)
+        handle = self._handle()[1]
+        self.graphs[handle] = work
+        return (0, handle)
+
+    def cudaGraphInstantiate(self, graph, flags):
+        executable = self._handle()[1]
+        self.graphs[executable] = self.graphs[graph]
+        return (0, executable)
+
+    def cudaGraphLaunch(self, executable, stream):
+        self.calls.append(("graph_launch", executable, stream))
+        self.replays += 1
+        for work in self.graphs[executable]:
+            work()
+        return self.OK
+
+    def cudaGraphDestroy(self, graph):
+        self.graphs.pop(graph, None)
+        return self.OK
+
+    cudaGraphExecDestroy = cudaGraphDestroy
+
+    def launch(self, stream: Any, work: Callable[[], None]) -> None:
+        """A kernel launch on ``stream`` (the fake contexts call this): recorded while capturing."""
+        if stream in self.capturing:
+            self.capturing[stream].append(work)
+        else:
+            work()
+
+    def mark(self) -> dict[str, int]:
+        return {**self.bytes, "synchronizes": self.synchronizes}
+
+    def since(self, mark: dict[str, int]) -> dict[str, int]:
+        now = self.mark()
+        return {key: now[key] - mark[key] for key in now}

@@ -33,6 +33,7 @@ __all__ = [
     "PinnedBuffer",
     "Stream",
     "Event",
+    "CudaGraph",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -377,3 +378,44 @@ class Event(_Resource):
         if self.handle is not None:
             handle, self.handle = self.handle, None
             cuda_call(bindings().cudaEventDestroy(handle))
+
+
+class CudaGraph(_Resource):
+    """An executable CUDA graph captured from the work one callable queues on one stream.
+
+    ``capture`` brackets ``work`` with ``cudaStreamBeginCapture`` (thread-local mode: other threads'
+    CUDA calls are not disturbed) and ``cudaStreamEndCapture`` and instantiates the graph; ``launch``
+    replays it on a stream with one call. The captured launches keep the device addresses they had:
+    the caller keys its graphs by everything they bake in (profile, shapes, bound addresses).
+    """
+
+    def __init__(self, handle: Any):
+        self.handle: Any = handle
+
+    @classmethod
+    def capture(cls, stream: Stream, work: Any) -> CudaGraph:
+        runtime = bindings()
+        mode = runtime.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        cuda_call(runtime.cudaStreamBeginCapture(stream.handle, mode))
+        try:
+            work()
+        except BaseException:
+            try:  # end the capture whatever happened; the partial graph is dropped
+                cuda_call(runtime.cudaGraphDestroy(cuda_call(runtime.cudaStreamEndCapture(stream.handle))))
+            except CudaError as exc:
+                _LOGGER.debug("ending a failed capture: %s", exc)
+            raise
+        graph = cuda_call(runtime.cudaStreamEndCapture(stream.handle))
+        try:
+            executable = cuda_call(runtime.cudaGraphInstantiate(graph, 0))
+        finally:
+            cuda_call(runtime.cudaGraphDestroy(graph))
+        return cls(executable)
+
+    def launch(self, stream: Stream) -> None:
+        cuda_call(bindings().cudaGraphLaunch(self.handle, stream.handle))
+
+    def free(self) -> None:
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            cuda_call(bindings().cudaGraphExecDestroy(handle))

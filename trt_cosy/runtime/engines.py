@@ -83,6 +83,8 @@ def load_engines(
     ``lazy_graphs`` (default ``LAZY_GRAPHS``: the streaming flow estimator) get a ``LazyOrtRunner``
     whose session is created by its first call, and so do the two LLM graphs when the engines have the
     batched decode graph (only one of them is used); pass ``()`` to create every session now.
+    On TensorRT the plans of ``lazy_graphs`` and the plain estimator plans where the step plans run the
+    Euler loop are deserialised on first use (``runtime.trt_lazy``).
     ``backend="openvino"`` compiles the OpenVINO IR of each graph (``runtime.openvino``; lazy graphs
     on first use); ``backend="mixed"`` loads engines built with ``trt-cosy build --backend mixed``
     (the LLM graphs on ONNX Runtime, the others on OpenVINO, as each graph's manifest record says);
@@ -95,12 +97,14 @@ def load_engines(
     manifest.check(engines_dir, model_dir, backend=backend)
     config = model_config_from_dict(_read_json(engines_dir / MODEL_CONFIG_NAME))
     if backend == TRT_BACKEND:
-        from .trt import checkpoint_digest, load_plan_runners
+        from .profiles import PROFILES_NAME, read_profiles
+        from .trt import checkpoint_digest
+        from .trt_lazy import deferred_plans, load_plans
 
         _check_trt_graphs(engines_dir, config.family)
-        runners: dict[str, Runner] = dict(
-            load_plan_runners(engines_dir, slots, checkpoint=checkpoint_digest(manifest.checkpoint))
-        )
+        lazy = deferred_plans(read_profiles(engines_dir / PROFILES_NAME), lazy_graphs)
+        digest = checkpoint_digest(manifest.checkpoint)
+        runners: dict[str, Runner] = dict(load_plans(engines_dir, slots, checkpoint=digest, lazy=lazy))
     else:  # onnxruntime, openvino or mixed: each graph on its manifest record's backend
         runners = _load_runners(engines_dir, manifest, graph_specs(config.family), threads, lazy_graphs)
     tables = {name: np.load(engines_dir / f"{name}.npy", mmap_mode="r") for name in TABLE_NAMES}

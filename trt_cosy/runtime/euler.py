@@ -18,7 +18,7 @@ Numpy only; the step runner is a ``TrtRunner`` (or anything with its hot-path me
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -121,7 +121,9 @@ class StepRunner(Protocol):
     def set_shapes(
         self, shapes: Mapping[str, Sequence[int]], slot: int = 0
     ) -> dict[str, tuple[int, ...]]: ...
-    def copy_inputs(self, arrays: Mapping[str, np.ndarray], slot: int = 0) -> None: ...
+    def copy_inputs(
+        self, arrays: Mapping[str, np.ndarray], slot: int = 0, bound: Collection[str] = ()
+    ) -> None: ...
     def enqueue(self, slot: int = 0, addresses: Mapping[str, int] | None = None) -> None: ...
     def device_tensor(self, name: str, slot: int = 0) -> tuple[int, tuple[int, ...], np.dtype]: ...
     def record(self, slot: int = 0, event: Event | None = None) -> Event: ...
@@ -149,9 +151,10 @@ class DeviceEulerLoop:
 
     The schedule goes to the device once, here (ordered before every solve by an event, no host
     synchronize). Buffer contract: ``enqueue`` returns a pointer into the slot's ``x``/``x_next``
-    buffers; it stays valid until the slot's next solve. Do not start that solve (and do not let
-    another thread take the slot) before the consumer of the pointer has finished: ``copy_inputs``
-    writes the slot's pinned staging buffers from the host at once.
+    buffers; it stays valid until the slot's next solve: pass the consumer's event as ``after``.
+    Chained solves on one slot never overwrite pinned staging still being copied: ``copy_inputs``
+    writes the slot's pinned buffers from the host at once, so ``enqueue`` first waits (on the host,
+    only while it is not done) for the event recorded after the previous solve's uploads.
     """
 
     def __init__(self, runner: StepRunner, schedule: np.ndarray):
@@ -169,6 +172,8 @@ class DeviceEulerLoop:
         max_x = runner.input_specs()["x"][0]  # the profile maximum [1, 80, F]
         self._results = [PinnedBuffer(_FLOAT.itemsize * int(np.prod(max_x))) for _ in range(runner.slots)]
         self._done = [Event() for _ in range(runner.slots)]
+        self._uploaded_inputs = [Event() for _ in range(runner.slots)]  # after each solve's copies in
+        self._staging_busy = [False] * runner.slots
 
     @property
     def steps(self) -> int:
@@ -198,7 +203,12 @@ class DeviceEulerLoop:
         if after is not None:
             runner.wait(after, slot)
         runner.wait(self._uploaded, slot)  # a no-op once the table is there
-        runner.copy_inputs(arrays, slot)
+        staged = self._uploaded_inputs[slot]
+        if self._staging_busy[slot] and not staged.done():  # the last solve's uploads still read them
+            staged.synchronize()
+        runner.copy_inputs(arrays, slot, bound=("t", "dt"))  # t/dt: rows of the schedule table
+        runner.record(slot, staged)
+        self._staging_busy[slot] = True
         # Preallocated at the profile maxima, these pointers do not move while the slot is ours.
         buffers = (runner.device_tensor("x", slot)[0], runner.device_tensor("x_next", slot)[0])
         for step in range(self.steps):
@@ -221,7 +231,8 @@ class DeviceEulerLoop:
 
     def free(self) -> None:
         """Release the schedule, the result staging buffers and the events."""
-        for resource in (self._table, self._table_host, self._uploaded, *self._results, *self._done):
+        events = (self._uploaded, *self._done, *self._uploaded_inputs)
+        for resource in (self._table, self._table_host, *self._results, *events):
             resource.free()
 
     def __enter__(self) -> DeviceEulerLoop:

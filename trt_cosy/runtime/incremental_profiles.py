@@ -32,8 +32,8 @@ def incremental_profiles(config: ModelConfig, limits: ProfileLimits | None = Non
     2·``MAX_HOP`` frames (a 100-token hop; a first chunk after the prefix is at most 2·(50 + 25)),
     P 0 / half of ``stream_tokens``' frames / the cache limit. ``long``: everything else a segment within
     the cache limit asks (a voice prefix or a first chunk over the whole prompt at P = 0, the
-    ``fast`` schedule's growing hops): T 1 / a quarter of ``stream_tokens``' frames / F, P 0 / 0 / the
-    cache limit, F = ``incremental_frames``. P is a multiple of the 50-frame chunk below F, so every
+    ``fast`` schedule's growing hops): T 1 / a quarter of ``stream_tokens``' frames / F, P 0 / one chunk
+    (opt never empty: TensorRT tunes there) / the cache limit, F = ``incremental_frames``. P is a multiple of the 50-frame chunk below F, so every
     call over at most F frames fits ``long`` (``stages.flow.FlowStage`` stops the cache beyond it).
     """
     from ..stages.flow_incremental import cache_layout
@@ -65,7 +65,7 @@ def incremental_profiles(config: ModelConfig, limits: ProfileLimits | None = Non
         FLOW_ESTIMATOR_INCREMENTAL.name,
         (
             profile("chunk", (1, hop, hop), _range(0, ratio * limits.stream_tokens // 2, cached)),
-            profile("long", _range(1, ratio * limits.stream_tokens // 4, frames), (0, 0, cached)),
+            profile("long", _range(1, ratio * limits.stream_tokens // 4, frames), _range(0, chunk, cached)),
         ),
     )
     result.check_spec(FLOW_ESTIMATOR_INCREMENTAL)

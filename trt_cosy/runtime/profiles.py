@@ -101,6 +101,11 @@ class ShapeProfile:
                 return f"input '{key}' has shape {shape}; profile '{self.name}' allows {low} .. {high}"
         return None
 
+    def empty_opt(self) -> list[str]:
+        """Inputs whose opt shape has a zero dimension: TensorRT tunes its tactics at opt, so an empty
+        opt tunes for no work at all (issue 29 item 7); the builder refuses such a profile."""
+        return [name for name, (_, opt, _) in self.shapes.items() if 0 in opt]
+
     def fits(self, shapes: Mapping[str, Sequence[int]]) -> bool:
         return self.misfit(shapes) is None
 
@@ -219,6 +224,11 @@ class ProfileLimits:
     """Flow tokens (prompt + chunks so far) of the short bucket; its opt is a quarter of it."""
     max_tokens: int = 1500
     """Flow tokens of the long bucket (2 mel frames each: 3000 frames = 60 s, the official maximum)."""
+    stream_mid_tokens: int = 1000
+    """Flow tokens of the streaming estimator's middle bucket (``stream_mid``, between ``stream_tokens``
+    and ``max_tokens``; opt a quarter of the way up): a segment past the short bucket (about 10 s of speech
+    after a prompt) keeps kernels tuned near its length instead of at the long bucket's opt. Not above
+    ``stream_tokens``: no middle bucket."""
     stream_frames: int = 512
     """HiFT mel frames of the streaming bucket (a chunk of 50 new frames plus 8 cached)."""
     hift_cache_frames: int = 8
@@ -242,7 +252,9 @@ def _llm_profiles(dims: tuple[int, int, int, int], limits: ProfileLimits) -> Gra
         cache = tuple((layers, 1, heads, p, head_dim) for p in past)  # [L, 1, H, P, Dh]
         return ShapeProfile(name, {"inputs_embeds": embeds, "past_keys": cache, "past_values": cache})  # type: ignore[dict-item]
 
-    profiles = [profile("prefill", _range(1, limits.prefill_opt, limits.max_prefill), (0, 0, 0))]
+    # Prefill runs at P = 0, but TensorRT tunes its tactics at opt, which must not be empty (issue 29
+    # item 7): opt and max P = 1, which the graph accepts (one past position); the runtime feeds P = 0.
+    profiles = [profile("prefill", _range(1, limits.prefill_opt, limits.max_prefill), (0, 1, 1))]
     step = (1, 1, limits.max_decode_step)
     # Buckets all start at P = 1: select() takes the first that fits, so a short cache gets the kernels
     # tuned for the small opt, and a larger bucket still accepts it.
@@ -302,9 +314,14 @@ def _flow_encoder_profiles(config: ModelConfig, limits: ProfileLimits, streaming
 
 
 def _estimator_profiles(
-    name: str, mels: int, short: tuple[int, int, int], long: tuple[int, int, int]
+    name: str,
+    mels: int,
+    short: tuple[int, int, int],
+    long: tuple[int, int, int],
+    middle: tuple[int, int, int] | None = None,
 ) -> GraphProfiles:
-    """The CFM estimator contract (U-Net or DiT) over mel frame ranges ``short`` and ``long``."""
+    """The CFM estimator contract (U-Net or DiT) over mel frame ranges ``short``, ``middle`` (when
+    given: the streaming estimator) and ``long``; ``select`` takes the first that fits."""
 
     def profile(label: str, frames: tuple[int, int, int]) -> ShapeProfile:
         wide = tuple((2, mels, f) for f in frames)  # [2, 80, F]: the CFG pair
@@ -318,7 +335,20 @@ def _estimator_profiles(
         }
         return ShapeProfile(label, shapes)  # type: ignore[arg-type]
 
-    return GraphProfiles(name, (profile("stream", short), profile("long", long)))
+    buckets = [("stream", short), *([("stream_mid", middle)] if middle else []), ("long", long)]
+    return GraphProfiles(name, tuple(profile(label, frames) for label, frames in buckets))
+
+
+def _middle_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[int, int, int] | None:
+    """The streaming estimator's middle bucket (issue 29 item 5): frames up to ``stream_mid_tokens``'
+    (capped at the long bucket's), opt a quarter of the way from the short bucket's end to that: a
+    growing streaming segment passes its low end first (the long bucket's opt is at half its max)."""
+    ratio = config.token_mel_ratio
+    top = ratio * min(limits.stream_mid_tokens, limits.max_tokens)
+    low = ratio * limits.stream_tokens
+    if top <= low:
+        return None
+    return _range(1, (3 * low + top) // 4, top)
 
 
 def _token_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[tuple[int, int, int], ...]:
@@ -361,8 +391,10 @@ def _v2_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfil
         _llm_profiles(_qwen_dims(config), limits),
         _flow_encoder_profiles(config, limits, streaming=True),
         _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
-        _estimator_profiles("flow_estimator_stream", config.flow.output_size, short, long),
-        _hift_profiles("hift", config.hift, hift_frames, ((0, cached, cached), (0, 0, cached))),
+        _estimator_profiles(
+            "flow_estimator_stream", config.flow.output_size, short, long, _middle_frames(config, limits)
+        ),
+        _hift_profiles("hift", config.hift, hift_frames, ((0, cached, cached), (0, cached, cached))),
     ]
 
 
@@ -378,7 +410,9 @@ def _v3_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfil
         _llm_profiles(_qwen_dims(config), limits),
         _flow_encoder_profiles(config, limits, streaming=False),
         _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
-        _estimator_profiles("flow_estimator_stream", config.flow.output_size, short, long),
+        _estimator_profiles(
+            "flow_estimator_stream", config.flow.output_size, short, long, _middle_frames(config, limits)
+        ),
         _hift_profiles("hift", config.hift, (stream, long), None),
         _hift_profiles("hift_stream", config.hift, (stream_only, (least, *long[1:])), None),
     ]
@@ -439,7 +473,7 @@ def _v1_profiles(config: V1ModelConfig, limits: ProfileLimits) -> list[GraphProf
             "v1_hift",
             config.hift,
             (_range(1, chunk, limits.stream_frames), long),
-            ((0, cached, cached), (0, 0, cached)),
+            ((0, cached, cached), (0, cached, cached)),  # opt never empty (issue 29 item 7)
             rand_phase=True,
         ),
     ]

@@ -35,15 +35,17 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
 from ..errors import EngineMismatchError, InputError, TrtCosyError
-from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream
+from .cuda import CudaError, CudaGraph, DeviceBuffer, Event, PinnedBuffer, Stream
+from .graphs import FLOW_ESTIMATOR_INCREMENTAL
 from .llm_decode import LLM_DECODE_NAME, device_cache_inputs
 from .profiles import PROFILES_NAME, GraphProfiles, read_profiles
 from .trt_bindings import PlanIO, TensorInfo, dims, nbytes
+from .trt_kv import TrtKVDecoder
 from .trt_plans import (
     PLANS_DIR,
     TENSOR_ALIGNMENT,
@@ -64,6 +66,7 @@ __all__ = [
     "current_system",
     "plan_mismatch",
     "load_plan_runners",
+    "checked_plans",
     "trt_logger",
     "load_tensorrt",
     "shared_runtime",
@@ -71,17 +74,33 @@ __all__ = [
 ]
 
 _LOGGER = logging.getLogger(__name__)
+MAX_GRAPHS: Final = 128  # captured CUDA graphs kept per slot (least recently made dropped first)
+# Inputs a plan reads from device memory that its caller owns (bound by address at every enqueue).
+BOUND_INPUTS: Final[Mapping[str, tuple[str, ...]]] = {FLOW_ESTIMATOR_INCREMENTAL.name: ("past_blocks",)}
 
 
 def load_plan_runners(
     engines_dir: Path, slots: int = 1, checkpoint: str | None = None
 ) -> dict[str, TrtRunner]:
     """One ``TrtRunner`` per plan of ``engines_dir/plans``; a plan built for another GPU, TensorRT
-    version, checkpoint or profile set raises ``EngineMismatchError`` (never used)."""
+    version, checkpoint or profile set raises ``EngineMismatchError`` (never used). Deferred
+    deserialisation: ``runtime.trt_lazy.load_plans``."""
+    return {
+        name: TrtRunner.from_plan(path, name, graph, slots=slots, external=external)
+        for name, (path, graph, external) in checked_plans(engines_dir, slots, checkpoint).items()
+    }
+
+
+def checked_plans(
+    engines_dir: Path, slots: int = 1, checkpoint: str | None = None
+) -> dict[str, tuple[Path, GraphProfiles, tuple[str, ...]]]:
+    """``{graph: (plan path, profiles, inputs bound by address)}`` for every plan of ``engines_dir``,
+    each record checked against this system, ``checkpoint``, its profiles and ``slots``; a stale or
+    missing plan raises ``EngineMismatchError``. Nothing is deserialised."""
     engines_dir = Path(engines_dir)
     trt = load_tensorrt()
     system, profiles = current_system(trt), read_profiles(engines_dir / PROFILES_NAME)
-    runners = {}
+    plans = {}
     for name, graph in profiles.items():
         record_path = engines_dir / PLANS_DIR / f"{name}.json"
         try:
@@ -103,12 +122,19 @@ def load_plan_runners(
                 f"slot(s), {slots} asked for. Use fewer slots or rebuild the plans: run "
                 f"`python -m trt_cosy.builder.trt.plans {engines_dir} --slots {slots}`."
             )
-        # llm_decode reads the KV slots where runtime.trt_batch keeps them: no buffers of its own for them
-        external = device_cache_inputs(graph.input_names) if name == LLM_DECODE_NAME else ()
-        runners[name] = TrtRunner.from_plan(
-            engines_dir / PLANS_DIR / str(record.plan), name, graph, slots=slots, external=external
-        )
-    return runners
+        path = engines_dir / PLANS_DIR / str(record.plan)
+        if not path.is_file():
+            raise EngineMismatchError(
+                f"TensorRT plan {path} for graph '{name}' does not exist. Rebuild it with "
+                "`trt-cosy build --backend tensorrt`."
+            )
+        # llm_decode reads the KV slots where runtime.trt_batch keeps them, the incremental estimator its
+        # cache where stages.flow_incremental keeps it on the device: no buffers of their own for them
+        external = BOUND_INPUTS.get(name, ())
+        if name == LLM_DECODE_NAME:
+            external = device_cache_inputs(graph.input_names)
+        plans[name] = (path, graph, tuple(external))
+    return plans
 
 
 @dataclass
@@ -121,13 +147,15 @@ class _Slot:
     first_profile: int  # the engine profile of this slot's local profile 0 (index · profiles per slot)
     workspace: DeviceBuffer  # the context's activation memory (USER_MANAGED), grow-only
     retired: list[tuple[DeviceBuffer, Event]] = field(default_factory=list)  # outgrown, maybe in use
-    memory_given: bool = False  # set_device_memory has been called
+    memory_bound: bool = False  # set_device_memory holds since the last profile switch
     device: dict[str, DeviceBuffer] = field(default_factory=dict)
     host: dict[str, PinnedBuffer] = field(default_factory=dict)
     profile: int = -1  # local profile index (into GraphProfiles.profiles)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     addresses: dict[str, int] = field(default_factory=dict)
     output_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # enqueue(graph=True): key -> captured graph, or None after the one plain launch it follows
+    graphs: dict[tuple, CudaGraph | None] = field(default_factory=dict)
 
 
 class TrtRunner:
@@ -167,6 +195,7 @@ class TrtRunner:
         self._workspace_need = [self._workspace_size(index) for index in range(count * per_slot)]
         sizes = {n: size for n, size in self._plan.max_bytes().items() if n not in self.external}
         self._slots = [self._make_slot(i, sizes) for i in range(count)]
+        self._graphs = True  # CUDA graphs for enqueue(graph=True), until a capture fails
         self._free: queue.Queue[_Slot] = queue.Queue()
         for slot in self._slots:
             self._free.put(slot)
@@ -267,12 +296,15 @@ class TrtRunner:
             raise TrtCosyError(f"graph '{self.name}': TensorRT left output shapes unresolved {unresolved}.")
         return dict(state.output_shapes)
 
-    def copy_inputs(self, arrays: Mapping[str, np.ndarray], slot: int = 0) -> None:
+    def copy_inputs(
+        self, arrays: Mapping[str, np.ndarray], slot: int = 0, bound: Collection[str] = ()
+    ) -> None:
         """Stage ``arrays`` in the slot's pinned buffers and copy them to its device buffers (async);
-        ``external`` inputs are not copied (they are bound by address)."""
+        ``external`` inputs and those named in ``bound`` (the caller binds them by address at
+        ``enqueue``, e.g. a table already on the device) are not copied."""
         state = self._slots[slot]
         for name in self.input_names:
-            if name in self.external:
+            if name in self.external or name in bound:
                 continue
             array = np.ascontiguousarray(arrays[name], dtype=self._io[name].dtype)
             self._check_room(state, name, array.nbytes)
@@ -280,7 +312,9 @@ class TrtRunner:
                 state.host[name].view(array.dtype, array.shape)[...] = array
                 state.device[name].copy_from_async(state.host[name], array.nbytes, state.stream)
 
-    def enqueue(self, slot: int = 0, addresses: Mapping[str, int] | None = None) -> None:
+    def enqueue(
+        self, slot: int = 0, addresses: Mapping[str, int] | None = None, graph: bool = False
+    ) -> None:
         """Launch the engine on the slot's stream and return at once.
 
         The launch always goes to the stream the slot's profile was switched on: the header calls a
@@ -288,6 +322,12 @@ class TrtRunner:
         Order other work with ``record``/``wait``. ``addresses`` binds device pointers the caller owns
         (e.g. another stage's ``device_tensor``; 256-byte aligned) instead of the slot's buffers.
         Addresses are set only when they differ from the last launch. Never allocates.
+
+        ``graph``: replay a CUDA graph of this launch (one call instead of TensorRT's kernel
+        launches) keyed by the profile, the shapes, the bound addresses and the activation memory;
+        the first launch of a key runs plainly (TensorRT needs one after a shape change before a
+        capture), the second captures, later ones replay. A failed capture turns graphs off for
+        this runner (logged) and launches plainly.
         """
         state = self._slots[slot]
         for name in self.output_names:
@@ -307,7 +347,44 @@ class TrtRunner:
             if state.addresses.get(name) != ptr:
                 self._call(state.context.set_tensor_address(name, ptr), f"bind '{name}'")
                 state.addresses[name] = ptr
-        self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+        if not state.memory_bound:  # after every profile switch or growth, right before the launch
+            self._bind_workspace(state)
+        if graph and self._graphs:
+            self._launch_graph(state)
+        else:
+            self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+
+    def _launch_graph(self, state: _Slot) -> None:
+        addresses = tuple(sorted(state.addresses.items()))
+        key = (state.profile, tuple(sorted(state.shapes.items())), addresses, state.workspace.ptr)
+        if key not in state.graphs:
+            state.graphs[key] = None
+            self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+            return
+        captured = state.graphs[key]
+        if captured is None:
+
+            def launch() -> None:
+                ok = state.context.execute_async_v3(state.stream.ptr)
+                self._call(ok, "execute_async_v3 while capturing a CUDA graph")
+
+            try:
+                captured = CudaGraph.capture(state.stream, launch)
+            except (CudaError, TrtCosyError) as exc:
+                _LOGGER.warning(
+                    "%s: CUDA graph capture failed (%s); launching without graphs", self.name, exc
+                )
+                self._graphs = False
+                self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+                return
+            while len(state.graphs) >= MAX_GRAPHS:
+                oldest = next(iter(state.graphs))
+                dropped = state.graphs.pop(oldest)
+                if dropped is not None:
+                    state.stream.synchronize()  # it may still be running
+                    dropped.free()
+            state.graphs[key] = captured
+        captured.launch(state.stream)
 
     def copy_outputs(self, slot: int = 0, names: Collection[str] | None = None) -> dict[str, np.ndarray]:
         """Queue device -> pinned copies of every output (or of ``names``); the views are valid after a
@@ -321,6 +398,11 @@ class TrtRunner:
                 state.device[name].copy_to_async(state.host[name], size, state.stream)
             views[name] = state.host[name].view(dtype, shape)
         return views
+
+    def kv_decoder(self, cache_shape: tuple[int, ...]) -> TrtKVDecoder:
+        """A step-by-step decoder for an ``LLM``-contract plan whose KV cache stays in device memory
+        (``runtime.trt_kv``): per step only the new embeddings go up and the logits come down."""
+        return TrtKVDecoder(self, cache_shape)
 
     def device_tensor(self, name: str, slot: int = 0) -> tuple[int, tuple[int, ...], np.dtype]:
         """(device pointer, shape, dtype) of a slot's buffer, for another stage's ``enqueue(addresses=...)``."""
@@ -355,6 +437,10 @@ class TrtRunner:
         """Release every buffer and stream (the runner is unusable afterwards)."""
         for state in self._slots:
             state.stream.synchronize()  # queued launches may still use the memory below
+            for captured in state.graphs.values():
+                if captured is not None:
+                    captured.free()
+            state.graphs = {}
             state.context = None  # the context goes before the activation memory it was given
             self._release_retired(state, wait=True)
             for buffer in (*state.device.values(), *state.host.values(), state.workspace):
@@ -399,19 +485,26 @@ class TrtRunner:
         an event and freed once that event has passed (``_release_retired``), never with a host sync.
         """
         need = self._workspace_need[state.first_profile + profile]
-        if state.memory_given and need <= state.workspace.nbytes:
-            return
+        if need <= state.workspace.nbytes and (state.workspace.ptr or not need):
+            return  # it fits (enqueue binds it again after a switch)
         if state.workspace.ptr:
             state.retired.append((state.workspace, Event().record(state.stream)))
         state.workspace = DeviceBuffer(need)  # need 0: a null pointer, which the header allows
-        state.context.set_device_memory(state.workspace.ptr, state.workspace.nbytes)
-        state.memory_given = True
+        self._bind_workspace(state)
         _LOGGER.debug(
             "%s slot %d: %.1f MiB of activation memory",
             self.name,
             state.index,
             state.workspace.nbytes / 2**20,
         )
+
+    @staticmethod
+    def _bind_workspace(state: _Slot) -> None:
+        """``set_device_memory`` with the slot's block. The header does not say that the binding
+        survives ``setOptimizationProfileAsync``; Polygraphy's runner binds right before every
+        ``execute_async_v3``, and so does ``enqueue`` after every switch (``memory_bound``)."""
+        state.context.set_device_memory(state.workspace.ptr, state.workspace.nbytes)
+        state.memory_bound = True
 
     @staticmethod
     def _release_retired(state: _Slot, wait: bool = False) -> None:
@@ -435,9 +528,10 @@ class TrtRunner:
             state.profile = -1
             raise TrtCosyError(f"TensorRT failed to {what} for graph '{self.name}': {exc}") from exc
         self._call(ok, what)
-        # A profile switch invalidates the shapes; addresses are set again too (the header does not
-        # promise that they survive, and Polygraphy compares against get_tensor_address()).
+        # A profile switch invalidates the shapes; addresses and the activation memory are set again
+        # too (the header promises neither survives; Polygraphy re-binds both before every launch).
         state.profile, state.shapes, state.addresses = profile, {}, {}
+        state.memory_bound = False
 
     def _check_room(self, state: _Slot, name: str, nbytes: int) -> None:
         """Buffers never move after load (device pointers may be captured, e.g. by ``DeviceEulerLoop``)."""

@@ -2,8 +2,9 @@
 steps over them (``runtime.llm_decode`` is the contract; ``stages.llm_batch`` drives it with the same
 scheduler as on ONNX Runtime).
 
-``DeviceKVSlots`` holds one device allocation, allocated once, laid out [2L, S, H, C, Dh] float32
-(keys of layers 0..L-1, then their values; S slots of C positions). Active rows are the first
+``DeviceKVSlots`` holds one device allocation, allocated once, laid out [2L, S, H, C, Dh] in the
+plan's cache dtype (``cache_dtype``: float32 or float16, checked against the slots at every stepper;
+keys of layers 0..L-1, then their values; S slots of C positions). Active rows are the first
 ``count`` slots, as in ``kv_slots.KVSlots``: the plan's ``past_key_<i>`` / ``past_value_<i>``
 [B, H, C, Dh] are bound straight to each layer's first B slots (one address per layer, never a copy).
 Each position of a row lives at [z, row, h, position]; moving data in and out is one
@@ -16,10 +17,12 @@ Each position of a row lives at [z, row, h, position]; moving data in and out is
 ``TrtBatchLLM`` mirrors ``kv_slots.OrtBatchLLM``: ``prefill`` runs the per-request ``llm`` graph at
 batch 1 on any runner (any thread) into a host ``PrefillCache``; ``decoder`` returns the stepper the
 scheduler calls. A step selects the profile by batch size B and position bucket P (the window read:
-the longest row rounded up to ``WINDOW_STEP``, capped at the capacity), copies the small inputs,
-launches, writes the new positions into the slots and downloads only the logits, with one
-synchronize. Layout and copies are checked on CPUs over fake CUDA and a fake engine computing with
-the exported graph on ONNX Runtime (tests/test_trt_llm_decode.py); timings only a GPU can give.
+the longest row rounded up to ``WINDOW_STEP``, capped at the capacity), copies the small inputs
+(embeddings and lengths; ``key_positions`` is bound from a device table), launches, writes the
+new positions into the slots and downloads only the logits, with one synchronize. Layout and
+copies are checked on CPUs over fake CUDA and a fake engine computing with the exported graph on
+ONNX Runtime (tests/test_trt_llm_decode.py); bytes and synchronizes per step are counted in
+tests/test_trt_device_counts.py; timings only a GPU can give.
 
 With ``fixed_shapes`` (``EngineConfig.deterministic``) every step has one shape: batch = all ``slots``
 (the inactive rows fed zeros at position 0, their outputs dropped) and window = ``capacity``, so
@@ -37,16 +40,16 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import InputError, TrtCosyError
+from ..errors import EngineMismatchError, InputError, TrtCosyError
 from .cuda import DeviceBuffer, PinnedBuffer, Pitched, Stream, copy_3d_async
 from .kv_slots import PrefillCache
 from .llm_decode import cache_input_names
 
-__all__ = ["DeviceKVSlots", "TrtBatchLLM", "WINDOW_STEP", "decode_limits"]
+__all__ = ["DeviceKVSlots", "TrtBatchLLM", "WINDOW_STEP", "cache_dtype", "decode_limits"]
 
 _LOGGER = logging.getLogger(__name__)
 WINDOW_STEP: Final = 64  # key window P grows in steps of this many positions (fewer shape changes)
-_FLOAT: Final = np.dtype(np.float32)
+_CACHE_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def decode_limits(runner: Any) -> tuple[int, int]:
@@ -55,13 +58,37 @@ def decode_limits(runner: Any) -> tuple[int, int]:
     return int(shapes["past_lengths"][0]), int(shapes["key_positions"][0])
 
 
+def cache_dtype(runner: Any) -> np.dtype:
+    """The dtype of the ``llm_decode`` plan's KV cache: every ``past_key_<i>`` / ``past_value_<i>``
+    input and the ``new_kv`` output must share it (the slots are copied into and bound as they are);
+    a plan that mixes them, or keeps its cache in another type, raises ``EngineMismatchError``."""
+    specs = runner.input_specs()
+    cache = [name for name in specs if name.startswith(("past_key_", "past_value_"))]
+    found = {name: np.dtype(specs[name][1]) for name in cache}
+    found["new_kv"] = np.dtype(runner.device_tensor("new_kv")[2])
+    kinds = set(found.values())
+    if len(kinds) != 1 or not kinds <= set(_CACHE_DTYPES):
+        raise EngineMismatchError(
+            f"graph '{runner.name}' keeps its KV cache as {sorted({str(d) for d in kinds})}; the device KV "
+            "slots need one of float32 / float16 for every past_key/past_value input and new_kv. Rebuild "
+            "the plans (`trt-cosy build --backend tensorrt`)."
+        )
+    return kinds.pop()
+
+
 class DeviceKVSlots:
     """``slots`` rows of ``capacity`` positions for ``layers`` layers in device memory (one owner: the
-    decode scheduler's thread; same interface as ``kv_slots.KVSlots``)."""
+    decode scheduler's thread; same interface as ``kv_slots.KVSlots``). ``dtype``: the plan's cache
+    dtype (``cache_dtype``); prefilled float32 caches are cast on their way in."""
 
-    def __init__(self, slots: int, layers: int, kv_heads: int, capacity: int, head_dim: int):
+    def __init__(
+        self, slots: int, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: Any = np.float32
+    ):
         if slots < 1 or capacity < 1:
             raise InputError(f"KV slots need slots >= 1 and capacity >= 1, got {slots} and {capacity}.")
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _CACHE_DTYPES:
+            raise InputError(f"KV slots hold float32 or float16, not {self.dtype}.")
         self.slots, self.capacity, self.layers = slots, capacity, layers
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.lengths = np.zeros(slots, np.int32)  # cached positions per row
@@ -72,11 +99,12 @@ class DeviceKVSlots:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.layers * self.slots * self.kv_heads * self.capacity * self.head_dim * _FLOAT.itemsize
+        positions = 2 * self.layers * self.slots * self.kv_heads * self.capacity
+        return positions * self.head_dim * self.dtype.itemsize
 
     @property
     def _position_bytes(self) -> int:
-        return self.head_dim * _FLOAT.itemsize
+        return self.head_dim * self.dtype.itemsize
 
     def row_address(self, row: int, position: int = 0) -> int:
         """Device address of (z = 0, ``row``, h = 0, ``position``)."""
@@ -104,8 +132,8 @@ class DeviceKVSlots:
         row, length = self.count, cache.length
         if length:
             shape = (2 * self.layers, self.kv_heads, length, self.head_dim)  # [2L, H, T, Dh]
-            self._staging.resize(int(np.prod(shape)) * _FLOAT.itemsize)
-            staged = self._staging.view(_FLOAT, shape)
+            self._staging.resize(int(np.prod(shape)) * self.dtype.itemsize)
+            staged = self._staging.view(self.dtype, shape)  # float32 prefill cast on assignment
             staged[: self.layers] = np.stack([part[0] for part in cache.keys])  # [L, H, T, Dh]
             staged[self.layers :] = np.stack([part[0] for part in cache.values])
             width = length * self._position_bytes
@@ -188,12 +216,28 @@ class _DeviceStepper:
         False: the active rows and the longest row's window bucket."""
         self._addresses = slots.cache_addresses()
         self._cache_names = tuple(self._addresses)
+        plan_dtype = cache_dtype(runner)
+        if plan_dtype != slots.dtype:
+            raise EngineMismatchError(
+                f"the KV slots hold {slots.dtype}, graph '{runner.name}' reads and writes its cache as "
+                f"{plan_dtype}; make the slots with dtype=cache_dtype(runner)."
+            )
         max_batch, max_window = decode_limits(runner)
         if slots.slots > max_batch or slots.capacity > max_window:
             raise InputError(
                 f"{slots.slots} KV slots of {slots.capacity} positions exceed the llm_decode profiles "
                 f"(batch <= {max_batch}, positions <= {max_window}); use fewer slots or positions."
             )
+        # key_positions [P] is 0..P-1: one table of ``capacity`` positions on the device, bound by address
+        # (its first P entries) at every step, so a step sends only what is new (issue 29 item 2).
+        table = np.arange(slots.capacity, dtype=np.int32)  # [C]
+        self._positions = DeviceBuffer(table.nbytes)
+        with PinnedBuffer(table.nbytes) as staged:
+            staged.view(np.int32, table.shape)[...] = table
+            stream = runner.stream(0)
+            self._positions.copy_from_async(staged, table.nbytes, stream)
+            stream.synchronize()  # once, before the pinned table is freed
+        self._addresses["key_positions"] = self._positions.ptr
 
     def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
         """One new position for each of the ``count`` active rows: ``inputs_embeds`` [B, 1, D] ->
@@ -229,8 +273,8 @@ class _DeviceStepper:
                 {**{n: v.shape for n, v in feed.items()}, **dict.fromkeys(self._cache_names, cache_shape)},
                 slot=index,
             )
-            runner.copy_inputs(feed, slot=index)
-            runner.enqueue(slot=index, addresses=self._addresses)
+            runner.copy_inputs(feed, slot=index, bound=("key_positions",))
+            runner.enqueue(slot=index, addresses=self._addresses, graph=True)  # one graph per (profile, B, P)
             new_kv, new_shape, _ = runner.device_tensor("new_kv", slot=index)
             if tuple(new_shape) != (batch, 2 * slots.layers, slots.kv_heads, slots.head_dim):
                 raise TrtCosyError(f"llm_decode gave new_kv {tuple(new_shape)} for {batch} rows")

@@ -29,13 +29,14 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
 from ..config import EstimatorConfig
 from ..models.v3.config import DiTConfig
 from ..runtime.base import Runner
+from ..runtime.device_blocks import DeviceBlocks
 from ..runtime.profiles import GraphProfiles
 
 __all__ = [
@@ -108,6 +109,9 @@ class FlowCache:
         tail = cache_tail(config)
         self._tails = np.zeros((steps, 2, self.channels, tail), np.float32)  # [steps, 2, C, K-1]
         self._mel = np.zeros((1, 80, 0), np.float32)  # [1, 80, frames] finished mel
+        # On TensorRT the blocks live on the device instead (``_solve_on_device``): per step only the
+        # new frames' inputs and outputs cross, never the cache (issue 29 item 1).
+        self.device: DeviceBlocks | None = None
 
     @property
     def bytes_per_frame(self) -> int:
@@ -117,6 +121,8 @@ class FlowCache:
     def nbytes(self) -> int:
         """Bytes this cache refers to (its voice prefix's frames included, which it shares)."""
         blocks = sum(block.nbytes for block in self._shared) + sum(block.nbytes for block in self._blocks)
+        if self.device is not None:
+            blocks += self.device.nbytes
         return blocks + self._tails.nbytes + self._mel.nbytes
 
     def usable_for(self, frames: int) -> bool:
@@ -152,6 +158,9 @@ class FlowCache:
     def release(self) -> None:
         self._shared = []
         self._blocks = []
+        if self.device is not None:
+            self.device.free()
+            self.device = None
         self._mel = np.zeros((1, 80, 0), np.float32)
         self.frames = 0
 
@@ -177,6 +186,11 @@ class FlowCache:
         """Start this (fresh) cache from ``prefix``'s frames (a voice's prompt chunks), shared with it."""
         self._shared = [prefix.past(step)[0] for step in range(min(self.steps, prefix.steps))]
         self._blocks = []
+        if prefix.device is not None:  # a device prefix: this request extends its own copy of it
+            from ..runtime.cuda import Stream
+
+            with Stream() as stream:
+                self.device = prefix.device.clone(stream)
         self._tails = prefix._tails.copy()
         self._mel = prefix._mel
         self.frames = prefix.frames
@@ -279,6 +293,8 @@ def solve_euler_incremental(
     Returns:
         The mel [1, 80, T] (cached frames ++ new frames), float32; the cache then holds all T.
     """
+    if callable(getattr(runner, "enqueue", None)):  # TensorRT: the cache stays on the device
+        return _solve_on_device(runner, cache, mu, spks, cond, noise, t_span, cfg_rate)
     past = cache.frames
     new = slice(past, mu.shape[2])
     x = np.array(noise[:, :, new], dtype=np.float32)  # [1, 80, n]
@@ -314,3 +330,91 @@ def solve_euler_incremental(
 
 def _infer(runner: Runner, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return runner.infer({name: feed[name] for name in runner.input_names})
+
+
+def _solve_on_device(
+    runner: Any,
+    cache: FlowCache,
+    mu: np.ndarray,
+    spks: np.ndarray,
+    cond: np.ndarray,
+    noise: np.ndarray,
+    t_span: np.ndarray,
+    cfg_rate: float,
+) -> np.ndarray:
+    """``solve_euler_incremental`` on a ``TrtRunner`` with the block cache in device memory.
+
+    Per Euler step: ``past_blocks`` is bound to the step's ``DeviceBlocks`` store (no copy), the
+    plan's ``new_blocks`` are appended to it device to device, and only x/mu/t/spks/cond of the new
+    frames and the small ``past_tails`` go up, ``estimator_out`` and ``new_tails`` come down, with
+    one synchronize; the Euler update stays on the host, in ``solve_euler``'s float32 arithmetic.
+    """
+    frame_bytes = cache.blocks * 2 * cache.width * 4  # [L, 2, D] float32 per frame
+    if cache.device is None:
+        cache.device = DeviceBlocks(cache.steps, frame_bytes)
+        if cache.frames:  # blocks held on the host (a host prefix): uploaded once, then kept there
+            _upload_host_blocks(runner, cache)
+            cache._shared, cache._blocks = [], []
+    store = cache.device
+    new = slice(cache.frames, mu.shape[2])
+    x = np.array(noise[:, :, new], dtype=np.float32)  # [1, 80, n]
+    frames = x.shape[2]
+    feed: dict[str, np.ndarray] = {
+        "x": np.zeros((2, mu.shape[1], frames), np.float32),  # [2, 80, n]
+        "mu": np.zeros((2, mu.shape[1], frames), np.float32),
+        "t": np.zeros((2,), np.float32),
+        "spks": np.zeros((2, spks.shape[1]), np.float32),
+        "cond": np.zeros((2, cond.shape[1], frames), np.float32),
+    }
+    feed["mu"][0] = mu[0, :, new]
+    feed["spks"][0] = spks[0]
+    feed["cond"][0] = cond[0, :, new]
+    guided, unguided = np.float32(1.0 + cfg_rate), np.float32(cfg_rate)
+    steps = t_span.shape[0] - 1
+    t = t_span[0]
+    dt = t_span[1] - t_span[0]
+    for step in range(1, steps + 1):  # the float32 arithmetic of solve_euler, step for step
+        feed["x"][:] = x[0]
+        feed["t"][:] = t
+        feed["past_tails"] = cache._tails[step - 1]
+        held = store.frames[step - 1]
+        shapes = {name: value.shape for name, value in feed.items()}
+        shapes["past_blocks"] = (held, cache.blocks, 2, cache.width)  # [P, L, 2, D]
+        with runner.slot() as index:
+            stream = runner.stream(index)
+            store.reserve(step - 1, held + frames, stream)  # before the launch: the buffer may move
+            runner.set_shapes(shapes, slot=index)
+            runner.copy_inputs(feed, slot=index, bound=("past_blocks",))
+            runner.enqueue(slot=index, addresses={"past_blocks": store.ptr(step - 1)})
+            produced, shape, _ = runner.device_tensor("new_blocks", index)
+            store.append(step - 1, produced, int(shape[0]), stream)
+            views = runner.copy_outputs(slot=index, names=("estimator_out", "new_tails"))
+            stream.synchronize()
+            velocity = np.array(views["estimator_out"], copy=True)  # [2, 80, n]
+            cache._tails[step - 1] = views["new_tails"]
+        velocity = guided * velocity[0:1] - unguided * velocity[1:2]  # [1, 80, n]
+        x = x + dt * velocity
+        t = t + dt
+        if step < steps:
+            dt = t_span[step + 1] - t
+    return cache.finish(x.astype(np.float32, copy=False))
+
+
+def _upload_host_blocks(runner: Any, cache: FlowCache) -> None:
+    """Copy the blocks a cache holds on the host into its (new) device store, once."""
+    from ..runtime.cuda import DeviceBuffer, PinnedBuffer
+
+    store = cache.device
+    assert store is not None
+    stream = runner.stream(0)
+    for step in range(cache.steps):
+        blocks = np.ascontiguousarray(cache.past(step)[0], np.float32)  # [P, L, 2, D]
+        if not blocks.shape[0]:
+            continue
+        store.reserve(step, blocks.shape[0], stream)
+        with PinnedBuffer(blocks.nbytes) as staged:
+            staged.view(np.float32, blocks.shape)[...] = blocks
+            with DeviceBuffer(blocks.nbytes) as landing:
+                landing.copy_from_async(staged, blocks.nbytes, stream)
+                store.append(step, landing.ptr, blocks.shape[0], stream)
+                stream.synchronize()

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from ..runtime.base import Runner
-from ..runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, decode_limits
+from ..runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype, decode_limits
 from .llm_batch import BatchedLLMStage
 
 __all__ = ["TrtBatchedLLMStage"]
@@ -31,5 +31,7 @@ class TrtBatchedLLMStage(BatchedLLMStage):
                 "llm_decode plan takes batches <= %d of <= %d positions: %d slots of %d positions asked, using %d of %d",
                 max_batch, max_window, slots, positions, min(slots, max_batch), min(positions, max_window),
             )  # fmt: skip
-        kv = DeviceKVSlots(min(slots, max_batch), layers, kv_heads, min(positions, max_window), head_dim)
+        kv = DeviceKVSlots(
+            min(slots, max_batch), layers, kv_heads, min(positions, max_window), head_dim, cache_dtype(batch_runner)
+        )
         return TrtBatchLLM(self.runner, batch_runner, layers), kv

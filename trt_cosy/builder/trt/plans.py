@@ -5,11 +5,14 @@ Two steps, so that a GPU host never needs torch:
 1. ``prepare_trt_graphs`` (build time, CPU, no TensorRT): after the fp32 export, writes
    ``<graph>.fp16.onnx`` (precision fp16; fp32 builds use ``<graph>.onnx`` as it is), ``profiles.json``
    and ``tensorrt.json`` (precision, checkpoint digest, each graph's ONNX sha256, fp16 report and the
-   fp16-vs-fp32 error measured on ONNX Runtime). This is all ``--onnx-only`` does.
+   fp16-vs-fp32 error measured on ONNX Runtime) and ``parity/<graph>.npz`` (the export's feeds and
+   the fp32 graph's outputs, ``builder.trt.parity``). This is all ``--onnx-only`` does.
 2. ``build_plans`` (GPU host, TensorRT, no torch, no onnx): parses each graph, adds the profiles,
    builds a strongly typed network, writes ``plans/<graph>.plan`` atomically with a
    ``plans/<graph>.json`` record keyed by checkpoint digest + GPU name + compute capability +
-   TensorRT version + precision + profiles + ONNX sha256, and persists ``plans/timing.cache``. A plan
+   TensorRT version + precision + profiles + ONNX sha256, and persists ``plans/timing.cache``. Each
+   new plan runs on its parity feeds against the fp32 outputs: NaN/inf or an error above
+   ``PLAN_TOLERANCES`` removes it and fails the build; ``plans/parity.json`` records the errors. A plan
    whose record does not match the running system is rebuilt; the runtime refuses it
    (``runtime.trt.plan_mismatch``). The Docker entrypoint runs this step on first start.
 
@@ -27,6 +30,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
+
+import numpy as np
 
 from ...config import ModelConfig
 from ...errors import EngineMismatchError, InputError, TrtCosyError
@@ -58,6 +63,14 @@ from ...runtime.trt import (
 )
 from ...version import __version__
 from ..progress import emitter
+from .parity import (
+    PARITY_DIR,
+    PLAN_TOLERANCES,
+    check_plan,
+    read_parity_feeds,
+    record_parity,
+    write_parity_feeds,
+)
 
 __all__ = [
     "TRT_PRECISIONS",
@@ -126,7 +139,7 @@ def prepare_trt_graphs(
         graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
     for name in trt_graph_specs(family_named(config.family)):
         if name not in graphs:
-            graphs[name] = _prepare_step_graph(engines_dir, name, config, precision, emit)
+            graphs[name] = _prepare_step_graph(engines_dir, name, config, precision, measure, emit)
     summary = {
         "trt_cosy_version": __version__,
         "family": config.family,
@@ -169,10 +182,13 @@ def _prepare_graph(
     if not source.is_file():
         raise EngineMismatchError(f"{source} is missing: export the fp32 graphs first (`trt-cosy build`).")
     entry: dict[str, Any] = {"onnx": target.name}
+    feeds = _export_feeds(name, config) if measure or precision == "fp16" else []
+    if measure:  # the fp32 outputs every plan is checked against once built (builder.trt.parity)
+        parity = write_parity_feeds(engines_dir, name, source, feeds)
+        entry["parity_feeds"] = parity.relative_to(engines_dir).as_posix()
     if precision == "fp16":
         from ..quantize.precision import compare_fp16, graph_policy, to_fp16_graph  # onnx: build time only
 
-        feeds = _export_feeds(name, config)
         policy = graph_policy(config.family, name)
         report = to_fp16_graph(source, target, policy, graph=name, calibration=feeds)
         entry["fp16"] = report.summary()
@@ -190,7 +206,7 @@ def _prepare_graph(
 
 
 def _prepare_step_graph(
-    engines_dir: Path, name: str, config: ModelConfig, precision: str, emit: Progress
+    engines_dir: Path, name: str, config: ModelConfig, precision: str, measure: bool, emit: Progress
 ) -> dict[str, Any]:
     """``<step>[.fp16].onnx``: the prepared estimator graph wrapped with guidance and the Euler update
     (``builder.flow_step``), for the device-side solve (``runtime.euler.DeviceEulerLoop``)."""
@@ -199,11 +215,21 @@ def _prepare_step_graph(
 
     estimator = next(est for est, step in STEP_GRAPHS.items() if step.name == name)
     target = engines_dir / graph_file(name, precision)
-    write_flow_step(
-        engines_dir / graph_file(estimator, precision), target, config.flow.cfm.inference_cfg_rate
-    )
-    emit(f"{name}: {estimator} + guidance (rate {config.flow.cfm.inference_cfg_rate}) + Euler update")
-    return {"onnx": target.name, "derived_from": estimator, "onnx_sha256": file_sha256(target)}
+    rate = config.flow.cfm.inference_cfg_rate
+    write_flow_step(engines_dir / graph_file(estimator, precision), target, rate)
+    emit(f"{name}: {estimator} + guidance (rate {rate}) + Euler update")
+    entry = {"onnx": target.name, "derived_from": estimator, "onnx_sha256": file_sha256(target)}
+    if measure:  # the estimator's feeds as one step (x and t at batch 1, dt 0.1), against the fp32 step
+        feeds = [
+            {**feed, "x": feed["x"][:1], "t": feed["t"][:1], "dt": np.array([0.1], np.float32)}
+            for feed in _export_feeds(estimator, config)
+        ]
+        with tempfile.TemporaryDirectory() as scratch:
+            fp32_step = Path(scratch) / f"{name}.onnx"
+            write_flow_step(engines_dir / f"{estimator}.onnx", fp32_step, rate)
+            parity = write_parity_feeds(engines_dir, name, fp32_step, feeds)
+        entry["parity_feeds"] = parity.relative_to(engines_dir).as_posix()
+    return entry
 
 
 def build_plans(
@@ -232,7 +258,9 @@ def build_plans(
     plans_dir.mkdir(exist_ok=True)
     cache_path = Path(timing_cache) if timing_cache else plans_dir / TIMING_CACHE_NAME
     records = {}
-    for name, entry in summary["graphs"].items():
+    total, started = len(summary["graphs"]), time.perf_counter()
+    for number, (name, entry) in enumerate(summary["graphs"].items(), 1):
+        step = f"[{number}/{total}, {time.perf_counter() - started:.0f} s] {name}"
         record = PlanRecord(
             graph=name,
             onnx=entry["onnx"],
@@ -248,9 +276,9 @@ def build_plans(
         old = _read_record(plans_dir / f"{name}.json")
         reason = "forced" if force else _stale_reason(old, record, plans_dir)
         if reason is None:
-            emit(f"{name}: plan is current for {system['gpu']} / TensorRT {system['tensorrt']}; kept")
+            emit(f"{step}: plan is current for {system['gpu']} / TensorRT {system['tensorrt']}; kept")
         else:
-            emit(f"{name}: building TensorRT plan ({reason})")
+            emit(f"{step}: building TensorRT plan ({reason})")
             build_plan(
                 engines_dir / record.onnx,
                 plans_dir / record.plan,
@@ -261,9 +289,44 @@ def build_plans(
                 trt=trt,
                 progress=emit,
             )
+            _check_plan_parity(engines_dir, name, record, profiles[name], emit)
             _write_json_atomic(plans_dir / f"{name}.json", record.to_dict())
         records[name] = record
     return records
+
+
+def _plan_runner(path: Path, name: str, profiles: GraphProfiles) -> Any:
+    """A one-slot ``TrtRunner`` over a freshly built plan, every input fed (the parity check)."""
+    from ..runtime.trt import TrtRunner
+
+    return TrtRunner.from_plan(path, name, profiles, slots=1)
+
+
+def _check_plan_parity(
+    engines_dir: Path, name: str, record: PlanRecord, profiles: GraphProfiles, emit: Progress
+) -> None:
+    """Run the new plan on ``parity/<name>.npz`` against the fp32 outputs (``builder.trt.parity``);
+    on NaN/inf or an error above the precision's tolerance remove the plan and raise."""
+    plans_dir = engines_dir / PLANS_DIR
+    feeds = engines_dir / PARITY_DIR / f"{name}.npz"
+    if not feeds.is_file():
+        emit(f"{name}: no parity feeds ({feeds.name}; prepared without measuring): plan not checked")
+        record_parity(plans_dir, name, {"feeds": 0, "skipped": "no parity feeds"})
+        return
+    runner = _plan_runner(plans_dir / str(record.plan), name, profiles)
+    try:
+        result = check_plan(name, runner.infer, read_parity_feeds(feeds), PLAN_TOLERANCES[record.precision])
+    except TrtCosyError:
+        (plans_dir / str(record.plan)).unlink(missing_ok=True)
+        record_parity(plans_dir, name, None)
+        raise
+    finally:
+        runner.free()
+    record_parity(plans_dir, name, result)
+    emit(
+        f"{name}: plan vs fp32 ONNX on {result['feeds']} feed(s): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in result["max_error"].items())
+    )
 
 
 def _stale_reason(old: PlanRecord | None, new: PlanRecord, plans_dir: Path) -> str | None:
@@ -337,6 +400,13 @@ def build_plan(
 def _add_profiles(builder: Any, config: Any, profiles: GraphProfiles, slots: int, onnx_path: Path) -> None:
     """Add every profile once per slot; TensorRT returns -1 for a profile it rejects (``NvInfer.h``,
     ``IBuilderConfig::addOptimizationProfile``) and the binding raises on inconsistent shapes."""
+    for profile in profiles.profiles:
+        empty = profile.empty_opt()
+        if empty:  # TensorRT tunes at opt: an empty opt tunes the plan for no work (issue 29 item 7)
+            raise TrtCosyError(
+                f"{onnx_path}: profile '{profile.name}' has an empty opt shape for {empty}; TensorRT tunes "
+                "its kernels at opt. Give every opt dimension at least 1 (runtime/profiles.py)."
+            )
     for slot in range(slots):
         for local, profile in enumerate(profiles.profiles):
             expected = slot * len(profiles.profiles) + local
