@@ -126,6 +126,9 @@ class Request:
     llm_yield: str = "first"
     render_turns: RenderTurns | None = RENDER_TURNS
     """Renders of concurrent requests take turns (first chunks first); None: they run at once."""
+    render_priority: tuple[int, int] | None = None
+    """This request's place in the render turns (lower first), e.g. ``(0 if streamed else 1, admission
+    number)`` from a server; None: each render in its arrival order (requests share the turns)."""
 
     def __init__(
         self,
@@ -252,7 +255,9 @@ class Request:
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(RENDER_GATE.hold(weight, lambda: self.feed.cancelled))
                     if turns is not None:
-                        stack.enter_context(turns.turn(self.first_audio_s is None, lambda: self.feed.cancelled))
+                        first = self.first_audio_s is None
+                        cancelled = lambda: self.feed.cancelled  # noqa: E731
+                        stack.enter_context(turns.turn(first, cancelled, self.render_priority))
                     stack.enter_context(self.runs.active())
                     if loop_hold is not None:
                         stack.enter_context(loop_hold())

@@ -120,11 +120,14 @@ def ray_serve_options(serve_command):
 @click.option("--max-segment-tokens", type=click.IntRange(min=1), default=200, show_default=True,
               help="Most text tokens in one sentence-segment; longer ones get 400 (render memory grows "
                    "with the square of a segment's length).")
+@click.option("--work-admission/--no-work-admission", default=True, show_default=True,
+              help="Refuse at once (503 + Retry-After, or 413) a request that would not finish within "
+                   "--timeout given the work already admitted; render admitted requests in order.")
 @backend_option()
 @ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
           threads: int | None, max_concurrent: int, max_queue: int, timeout_s: float, api_key: str | None,
-          stream_speech: bool, max_segment_tokens: int, backend: str) -> None:
+          stream_speech: bool, max_segment_tokens: int, work_admission: bool, backend: str) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from ..errors import require
 
@@ -141,7 +144,7 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
         max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,
-        stream_speech=stream_speech, max_segment_tokens=max_segment_tokens,
+        stream_speech=stream_speech, max_segment_tokens=max_segment_tokens, work_admission=work_admission,
     )
     click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
     click.echo(f"playground: http://{host}:{port}/" + ("" if api_key is None else " (API key required)"), err=True)

@@ -6,7 +6,10 @@ renders at once on the CPU do not finish sooner than one after the other: they s
 each at half speed (less: the spinning threads of one steal cycles from the other), and both chunks
 come late. Taking turns instead, the first render in line finishes after one render's time. The
 first chunk of a request (its time to first audio) goes before any later chunk of another request,
-whose listener already has audio playing; within each kind it is first come, first served.
+whose listener already has audio playing; within each kind it is first come, first served, or, for
+requests given a ``priority`` (a server gives its admission order), in that order: then one
+request's renders go before those of requests admitted after it, so requests finish one after the
+other instead of all slowing down together (``serving.admission``).
 
 A render still waits for ``work_gate.RENDER_GATE`` (memory) first; turns only order the renders
 that the gate admits. docs/benchmarks.md ("Continuous batching") has the measurements.
@@ -41,16 +44,26 @@ class RenderTurns:
         self.running = 0
         self._lock = threading.Condition()
         self._tickets = itertools.count()
-        self._waiting: list[tuple[int, int]] = []  # (0 for a first chunk else 1, ticket), sorted
+        # (0 for a first chunk else 1, priority or (0, ticket), ticket), sorted
+        self._waiting: list[tuple[int, tuple[int, int], int]] = []
 
     @contextlib.contextmanager
-    def turn(self, first: bool, cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+    def turn(
+        self,
+        first: bool,
+        cancelled: Callable[[], bool] | None = None,
+        priority: tuple[int, int] | None = None,
+    ) -> Iterator[None]:
         """Wait for this render's turn, hold it for the block, then pass it on.
+
+        ``priority``: the request's place among the others (lower first; ``Request.render_priority``);
+        None: this render's arrival.
 
         Raises:
             GateCancelled: ``cancelled()`` became True while waiting (nothing is held).
         """
-        key = (0 if first else 1, next(self._tickets))
+        ticket = next(self._tickets)
+        key = (0 if first else 1, priority if priority is not None else (0, ticket), ticket)
         with self._lock:
             self._waiting.append(key)
             self._waiting.sort()
