@@ -85,3 +85,48 @@ def test_cancelled_waiter_leaves_the_line_and_holds_nothing():
 def test_limit_must_be_positive():
     with pytest.raises(ValueError, match="limit >= 1"):
         RenderTurns(0)
+
+
+def test_with_priorities_requests_go_in_their_order_not_their_arrival():
+    """A server gives each request its admission number: the earliest admitted request's later chunks
+    go before those of requests admitted after it, whatever order they queue in; first chunks still
+    go first."""
+    turns = RenderTurns(1)
+    order: list[str] = []
+    waiting = [(False, (1, 5), "later-of-5"), (False, (1, 2), "later-of-2"), (True, (1, 9), "first-of-9"),
+               (False, (0, 7), "stream-of-7")]
+    threads = []
+    with turns.turn(False):
+        for first, priority, name in waiting:
+
+            def run(first=first, priority=priority, name=name) -> None:
+                with turns.turn(first, None, priority):
+                    order.append(name)
+
+            threads.append(threading.Thread(target=run))
+            threads[-1].start()
+            in_line = len(threads)
+            _wait_for(lambda in_line=in_line: len(turns._waiting) == in_line)
+    for thread in threads:
+        thread.join(5.0)
+    assert order == ["first-of-9", "stream-of-7", "later-of-2", "later-of-5"]
+
+
+def test_with_priorities_first_chunks_go_shortest_first():
+    turns = RenderTurns(1)
+    order: list[int] = []
+    threads = []
+    with turns.turn(False):
+        for number, size in enumerate((900, 40, 300)):
+
+            def run(number=number, size=size) -> None:
+                with turns.turn(True, None, (1, number), size):
+                    order.append(size)
+
+            threads.append(threading.Thread(target=run))
+            threads[-1].start()
+            in_line = len(threads)
+            _wait_for(lambda in_line=in_line: len(turns._waiting) == in_line)
+    for thread in threads:
+        thread.join(5.0)
+    assert order == [40, 300, 900]

@@ -257,7 +257,7 @@ class Request:
                     if turns is not None:
                         first = self.first_audio_s is None
                         cancelled = lambda: self.feed.cancelled  # noqa: E731
-                        stack.enter_context(turns.turn(first, cancelled, self.render_priority))
+                        stack.enter_context(turns.turn(first, cancelled, self.render_priority, plan.end))
                     stack.enter_context(self.runs.active())
                     if loop_hold is not None:
                         stack.enter_context(loop_hold())

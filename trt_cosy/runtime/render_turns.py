@@ -9,7 +9,8 @@ first chunk of a request (its time to first audio) goes before any later chunk o
 whose listener already has audio playing; within each kind it is first come, first served, or, for
 requests given a ``priority`` (a server gives its admission order), in that order: then one
 request's renders go before those of requests admitted after it, so requests finish one after the
-other instead of all slowing down together (``serving.admission``).
+other instead of all slowing down together, and first chunks go shortest first (``serving.admission``
+predicts that order).
 
 A render still waits for ``work_gate.RENDER_GATE`` (memory) first; turns only order the renders
 that the gate admits. docs/benchmarks.md ("Continuous batching") has the measurements.
@@ -44,8 +45,8 @@ class RenderTurns:
         self.running = 0
         self._lock = threading.Condition()
         self._tickets = itertools.count()
-        # (0 for a first chunk else 1, priority or (0, ticket), ticket), sorted
-        self._waiting: list[tuple[int, tuple[int, int], int]] = []
+        # (0 for a first chunk else 1, size of a prioritised first chunk, priority or (0, ticket), ticket)
+        self._waiting: list[tuple[int, int, tuple[int, int], int]] = []
 
     @contextlib.contextmanager
     def turn(
@@ -53,17 +54,22 @@ class RenderTurns:
         first: bool,
         cancelled: Callable[[], bool] | None = None,
         priority: tuple[int, int] | None = None,
+        size: int = 0,
     ) -> Iterator[None]:
         """Wait for this render's turn, hold it for the block, then pass it on.
 
         ``priority``: the request's place among the others (lower first; ``Request.render_priority``);
-        None: this render's arrival.
+        None: this render's arrival. With a priority, first chunks go shortest ``size`` (speech
+        tokens) first, so a short request is not stuck behind a long request's first segment.
 
         Raises:
             GateCancelled: ``cancelled()`` became True while waiting (nothing is held).
         """
         ticket = next(self._tickets)
-        key = (0 if first else 1, priority if priority is not None else (0, ticket), ticket)
+        if priority is None:
+            key = (0 if first else 1, 0, (0, ticket), ticket)
+        else:
+            key = (0 if first else 1, size if first else 0, priority, ticket)
         with self._lock:
             self._waiting.append(key)
             self._waiting.sort()

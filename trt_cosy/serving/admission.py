@@ -21,8 +21,9 @@ The work model:
 
 The order it predicts (``WorkOrder``), which the engine follows (``runtime.render_turns`` with the
 request's admission number): the first chunk of every request (a non-streamed request's first
-segment) before any later chunk, then later chunks of streamed requests, then those of non-streamed
-requests; first admitted first within each. The heavy stages (flow + vocoder) run one request at a
+segment) before any later chunk, shortest first; then later chunks of streamed requests, then those
+of non-streamed requests, first admitted first. A short request is thus not stuck behind a long
+one, and the rule below keeps it from making an admitted long request late. The heavy stages (flow + vocoder) run one request at a
 time in that order, so requests finish one after the other instead of all slowing down together.
 
 The rule (``WorkAdmission.admit``):
@@ -210,8 +211,8 @@ class WorkOrder:
     """Predicted times of admitted jobs in the engine's order (a fluid model: the machine works on one
     thing at a time at the measured speed).
 
-    Pending first chunks in admission order, then the rest of streamed requests, then the rest of
-    non-streamed requests, each in admission order.
+    Pending first chunks shortest first (then in admission order), then the rest of streamed
+    requests, then the rest of non-streamed requests, each in admission order.
     """
 
     first_audio: dict[int, float] = field(default_factory=dict)
@@ -225,7 +226,7 @@ class WorkOrder:
         ordered = sorted(jobs, key=lambda job: job.number)
         parts = {job.number: remaining(job) for job in ordered}
         elapsed = 0.0
-        for job in ordered:  # first chunks, first admitted first
+        for job in sorted(ordered, key=lambda job: (job.first_tokens, job.number)):  # first chunks, shortest first
             if parts[job.number].first_s > 0 or not job.first_done:
                 elapsed += parts[job.number].first_s
                 order.first_audio[job.number] = elapsed
