@@ -81,7 +81,7 @@ def ray_serve_options(serve_command):
             port=options["port"], threads=options.get("threads"), max_concurrent=options["max_concurrent"],
             max_queue=options["max_queue"], request_timeout_s=options["timeout_s"], replicas=replicas or 1,
             autoscale=_autoscale(autoscale), ray_address=ray_address,
-            settings={"max_segment_tokens": options["max_segment_tokens"]}
+            settings={"max_segment_tokens": options["max_segment_tokens"], "work_admission": options["work_admission"]}
             | ({"api_key": options["api_key"]} if options.get("api_key") else {}),
         ), progress=lambda message: click.echo(message, err=True))
 

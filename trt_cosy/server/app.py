@@ -75,8 +75,9 @@ def warm_up(tts: Any) -> list[WarmupRun]:
         started = time.perf_counter()
         chunks = tts.synthesize(_WARMUP_TEXT, voice, 0, config=config)
         speech_tokens = sum(chunk.timings.get("tokens", 0.0) for chunk in chunks)
-        text_tokens = sum(segment_tokens_of(chunks) or [0])
-        runs.append(WarmupRun(config.stream, text_tokens, speech_tokens, time.perf_counter() - started))
+        segments = segment_tokens_of(chunks) or [0]
+        seconds = time.perf_counter() - started
+        runs.append(WarmupRun(config.stream, sum(segments), speech_tokens, seconds, len(segments)))
     return runs
 
 

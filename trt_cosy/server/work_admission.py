@@ -43,6 +43,7 @@ class WarmupRun:
     text_tokens: int
     speech_tokens: float
     seconds: float
+    segments: int = 1
 
 
 def segment_tokens_of(chunks: Any) -> list[int] | None:
@@ -69,7 +70,11 @@ class WorkTicket:
 
     def progress(self, chunk: AudioChunk) -> None:
         if self._work is not None and self._job is not None:
-            self._work.policy.progress(self._job, float(chunk.timings.get("tokens", 0.0)))
+            timings = chunk.timings
+            seconds = [timings.get(name) for name in ("llm_wait_s", "flow_s", "vocoder_s")]
+            render_s = sum(seconds) if all(value is not None for value in seconds) else None
+            # A non-streamed chunk is a whole segment (a streamed request's segment costs are not counted).
+            self._work.policy.progress(self._job, float(timings.get("tokens", 0.0)), True, render_s)
 
     def close(self, completed: bool) -> None:
         """The request ended (idempotent): ``completed`` with all its audio, or stopped early."""
@@ -78,7 +83,7 @@ class WorkTicket:
         job = self._job
         self._work.policy.finish(job, completed)
         self._work.publish()
-        if completed and job.produced > 0 and math.isfinite(job.estimated_s) and job.estimated_s > 0:
+        if completed and job.speech_tokens > 0 and math.isfinite(job.estimated_s) and job.estimated_s > 0:
             metrics = self._work.metrics
             metrics.work_estimated.observe(job.estimated_s)
             metrics.work_actual.observe(job.work_s)
@@ -115,7 +120,9 @@ class ServerWork:
     def calibrate(self, runs: Iterable[WarmupRun]) -> None:
         """Set the speeds from the warm-up's syntheses (each measured alone)."""
         for run in runs:
-            self.policy.speed.calibrate(run.streaming, run.text_tokens, run.speech_tokens, run.seconds)
+            self.policy.speed.calibrate(
+                run.streaming, run.text_tokens, run.speech_tokens, run.seconds, run.segments
+            )
         self.publish()
         speed = self.policy.speed
         _LOGGER.info(

@@ -33,7 +33,8 @@ The rule (``WorkAdmission.admit``):
   real requests (until then only the warm-up's estimate, high for long texts, is known: such a
   request is admitted when nothing else runs, else refused with 503);
 - otherwise, with other work admitted, it is admitted when its predicted finish is within
-  ``margin`` of its timeout and no admitted request that was on time becomes late because of it;
+  ``margin`` of its timeout and no admitted request that was on time (within ``others_margin`` of
+  its timeout) becomes late because of it;
   else 503 (``overloaded``) with a ``Retry-After`` of the seconds the queue needs to drain enough;
 - a streamed request is judged on its time to first audio (the same rule, on the first chunk) and
   on keeping up: the streams running together must need at most the machine's real-time capacity
@@ -59,6 +60,7 @@ __all__ = [
     "WorkAdmission",
     "WorkOrder",
     "DEFAULT_MARGIN",
+    "DEFAULT_OTHERS_MARGIN",
     "DEFAULT_ALPHA",
 ]
 
@@ -67,9 +69,43 @@ _LOGGER = logging.getLogger(__name__)
 DEFAULT_MARGIN: Final = 0.8
 """Share of a request's timeout that its predicted finish may use when other work is admitted:
 the rest absorbs estimation errors (a machine slower than measured, a model that speaks longer)."""
+DEFAULT_OTHERS_MARGIN: Final = 0.95
+"""Share of an admitted request's timeout that later, shorter requests served before it may push
+its predicted finish to: they use the estimation margin of the long requests admitted before them
+(so that short requests keep completing while long ones fill the server), not all of it."""
 DEFAULT_ALPHA: Final = 0.3
 """Weight of a new observation in the exponential averages."""
 _FACTOR_RANGE: Final = (0.25, 4.0)  # one throughput window moves the speed by at most this factor
+_MAX_OVERHEAD_TOKENS: Final = 1000.0
+
+
+class _LineFit:
+    """``y = intercept + slope * x`` by exponentially weighted least squares (weight ``alpha`` for
+    the newest point); ``line()`` is None until two different ``x`` were seen or when the slope is
+    not positive."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self.points = 0
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        keep = 1.0 - self.alpha if self.points else 1.0
+        self.points += 1
+        self.n = keep * self.n + 1.0
+        self.sx = keep * self.sx + x
+        self.sy = keep * self.sy + y
+        self.sxx = keep * self.sxx + x * x
+        self.sxy = keep * self.sxy + x * y
+
+    def line(self) -> tuple[float, float] | None:
+        spread = self.n * self.sxx - self.sx * self.sx
+        if self.points < 2 or spread <= 1e-9 * self.n * self.sxx:
+            return None
+        slope = (self.n * self.sxy - self.sx * self.sy) / spread
+        if slope <= 0:
+            return None
+        return (self.sy - slope * self.sx) / self.n, slope
 
 
 class SpeedModel:
@@ -97,6 +133,10 @@ class SpeedModel:
         self.ratio = self._clamp(ratio if ratio is not None else (min_ratio + max_ratio) / 2)
         self._ratio_seen = ratio is not None
         self._seconds_per_token: dict[bool, float] = {}  # streaming -> seconds per speech token
+        self.overhead_tokens = 0.0
+        """Fixed cost of a non-streamed segment, in speech tokens' worth (a short text costs more per
+        token): from a least-squares line through segment render times (``observe_segment``)."""
+        self._fit = _LineFit(alpha / 3)
         self.confirmed = False
         """True once a throughput was observed on real requests (the warm-up's short text overstates
         the time per token: its fixed costs are spread over few tokens)."""
@@ -116,19 +156,39 @@ class SpeedModel:
         """Expected speech tokens for that many text tokens."""
         return text_tokens * self.ratio
 
-    def seconds(self, speech_tokens: float, streaming: bool) -> float:
-        """Machine seconds to render that many speech tokens (NaN when the mode is not measured)."""
-        return speech_tokens * self.seconds_per_token(streaming)
+    def work_tokens(self, speech_tokens: float, streaming: bool, segments: int) -> float:
+        """Speech tokens plus the fixed cost of ``segments`` non-streamed segments, in tokens' worth."""
+        return speech_tokens + (0.0 if streaming else self.overhead_tokens * segments)
 
-    def calibrate(self, streaming: bool, text_tokens: int, speech_tokens: float, seconds: float) -> None:
+    def seconds(self, speech_tokens: float, streaming: bool, segments: int = 0) -> float:
+        """Machine seconds to render that many speech tokens in ``segments`` segments (NaN when the
+        mode is not measured)."""
+        return self.work_tokens(speech_tokens, streaming, segments) * self.seconds_per_token(streaming)
+
+    def calibrate(
+        self, streaming: bool, text_tokens: int, speech_tokens: float, seconds: float, segments: int = 1
+    ) -> None:
         """A request measured alone (the warm-up): sets the mode's speed, and the ratio if unseen.
 
         A later calibration of the same mode is averaged in.
         """
         if speech_tokens <= 0 or seconds <= 0:
             return
-        self._set_speed(streaming, seconds / speech_tokens)
+        if not streaming and segments == 1:
+            self.observe_segment(speech_tokens, seconds)
+        self._set_speed(streaming, seconds / self.work_tokens(speech_tokens, streaming, segments))
         self.observe_ratio(text_tokens, speech_tokens)
+
+    def observe_segment(self, speech_tokens: float, seconds: float) -> None:
+        """A non-streamed segment of ``speech_tokens`` took ``seconds`` to render: refits the fixed
+        cost per segment (once segments of different lengths were seen)."""
+        if speech_tokens <= 0 or seconds <= 0:
+            return
+        self._fit.add(speech_tokens, seconds)
+        line = self._fit.line()
+        if line is not None:
+            intercept, slope = line
+            self.overhead_tokens = min(_MAX_OVERHEAD_TOKENS, max(0.0, intercept / slope))
 
     def observe_ratio(self, text_tokens: int, speech_tokens: float) -> None:
         """A finished request spoke ``speech_tokens`` for ``text_tokens``."""
@@ -165,14 +225,17 @@ class AdmittedJob:
     streaming: bool
     text_tokens: int
     first_tokens: float
-    """Expected speech tokens until first audio (the first segment, or a streamed request's first chunk)."""
+    """Expected work until first audio (the first segment, or a streamed request's first chunk), in
+    speech tokens' worth."""
     total_tokens: float
-    """Expected speech tokens of the whole request."""
+    """Expected work of the whole request, in speech tokens' worth (``SpeedModel.work_tokens``)."""
     admitted_at: float
     deadline: float
     estimated_s: float
     """Expected machine seconds of the whole request when it was admitted (NaN: speed not measured)."""
     produced: float = 0.0
+    """Work done so far, in speech tokens' worth (its chunks' tokens and segment costs)."""
+    speech_tokens: float = 0.0
     """Speech tokens produced so far."""
     first_done: bool = False
     started_at: float | None = None
@@ -249,7 +312,10 @@ class WorkAdmission:
 
     Args:
         speed: the work model, shared with whoever calibrates it.
-        margin: share of the timeout a prediction may use when other work is admitted, in (0, 1].
+        margin: share of the timeout a new request's predicted finish may use when other work is
+            admitted, in (0, 1].
+        others_margin: share of their timeouts that admitted requests may be pushed to by a new one
+            served before them (a shorter first chunk), >= ``margin``.
         tokens_per_audio_s: speech tokens per second of audio (the family's ``token_frame_rate``):
             a stream keeps up while it gets that many tokens rendered per second.
         stream_first_tokens: speech tokens of a streamed request's first chunk (the first hop plus
@@ -261,6 +327,7 @@ class WorkAdmission:
         self,
         speed: SpeedModel,
         margin: float = DEFAULT_MARGIN,
+        others_margin: float = DEFAULT_OTHERS_MARGIN,
         tokens_per_audio_s: float = 25.0,
         stream_first_tokens: float = 28.0,
         clock: Callable[[], float] = time.monotonic,
@@ -269,6 +336,7 @@ class WorkAdmission:
             raise ValueError(f"margin must be in (0, 1], got {margin}")
         self.speed = speed
         self.margin = margin
+        self.others_margin = max(margin, others_margin)
         self.tokens_per_audio_s = tokens_per_audio_s
         self.stream_first_tokens = stream_first_tokens
         self._clock = clock
@@ -295,12 +363,14 @@ class WorkAdmission:
         return total
 
     def estimate(self, segment_tokens: Sequence[int], streaming: bool) -> tuple[float, float, float]:
-        """(first tokens, total speech tokens, machine seconds) expected for a request."""
-        total = self.speed.speech_tokens(sum(segment_tokens))
-        first = self.speed.speech_tokens(segment_tokens[0]) if segment_tokens else 0.0
+        """(work until first audio, work in all, machine seconds) expected for a request; work in
+        speech tokens' worth (``SpeedModel.work_tokens``)."""
+        speed = self.speed
+        total = speed.work_tokens(speed.speech_tokens(sum(segment_tokens)), streaming, len(segment_tokens))
+        first = speed.work_tokens(speed.speech_tokens(segment_tokens[0]), streaming, 1) if segment_tokens else 0.0
         if streaming:
             first = min(first, self.stream_first_tokens)
-        return first, total, self.speed.seconds(total, streaming)
+        return first, total, total * speed.seconds_per_token(streaming)
 
     # ------------------------------------------------------------------ decisions
 
@@ -352,8 +422,8 @@ class WorkAdmission:
                 413,
                 "too_long",
                 f"this text is expected to take about {alone:.0f} s of {what} on this server "
-                f"({job.text_tokens} text tokens, about {job.total_tokens:.0f} speech tokens at "
-                f"{seconds_per_token * 1000:.1f} ms each), more than the {timeout_s:.0f} s request "
+                f"({job.text_tokens} text tokens, about {self.speed.speech_tokens(job.text_tokens):.0f} "
+                f"speech tokens at {seconds_per_token * 1000:.1f} ms each), more than the {timeout_s:.0f} s request "
                 "timeout even with nothing else running; send the text in parts, or raise the server's "
                 "request timeout (trt-cosy serve --timeout).",
                 estimated_s=job.estimated_s,
@@ -374,7 +444,7 @@ class WorkAdmission:
         if own_s > budget:
             waits.append(own_s - budget)
         for other in others:  # no request on time becomes late because of this one
-            left = self.margin * (other.deadline - other.admitted_at) - (now - other.admitted_at)
+            left = self.others_margin * (other.deadline - other.admitted_at) - (now - other.admitted_at)
             if other.streaming:
                 was, now_s = before.first_audio.get(other.number), after.first_audio.get(other.number)
             else:
@@ -402,7 +472,7 @@ class WorkAdmission:
         if real_time * (len(streams) + 1) <= 1.0:
             return None
         # The first stream to end frees its share: its audio left, played in real time at best.
-        left_s = min(max(0.0, other.total_tokens - other.produced) for other in streams) / self.tokens_per_audio_s
+        left_s = min(max(0.0, other.total_tokens - other.speech_tokens) for other in streams) / self.tokens_per_audio_s
         retry = max(1, math.ceil(left_s))
         return Refusal(
             503,
@@ -427,13 +497,25 @@ class WorkAdmission:
         if job.started_at is None:
             job.started_at = self._clock()
 
-    def progress(self, job: AdmittedJob, speech_tokens: float) -> None:
-        """The job produced audio of ``speech_tokens`` (its first audio, at the first call)."""
+    def progress(
+        self, job: AdmittedJob, speech_tokens: float, segment_done: bool = False, render_s: float | None = None
+    ) -> None:
+        """The job produced a chunk of ``speech_tokens`` (its first audio, at the first call).
+
+        ``segment_done``: the chunk ends a segment; ``render_s``: the seconds it took (a non-streamed
+        segment's time teaches the fixed cost per segment).
+        """
         self._advance()
-        job.produced += max(0.0, speech_tokens)
+        speech_tokens = max(0.0, speech_tokens)
+        segments = 1 if segment_done else 0
+        work = self.speed.work_tokens(speech_tokens, job.streaming, segments)
+        job.produced += work
+        job.speech_tokens += speech_tokens
         job.first_done = True
         if self.speed.known(job.streaming):
-            self._window_estimated_s += self.speed.seconds(max(0.0, speech_tokens), job.streaming)
+            self._window_estimated_s += work * self.speed.seconds_per_token(job.streaming)
+        if not job.streaming and segment_done and render_s is not None:
+            self.speed.observe_segment(speech_tokens, render_s)
 
     def finish(self, job: AdmittedJob, completed: bool) -> None:
         """The job ended: ``completed`` (all its audio) or stopped early (timeout, client gone, error).
@@ -446,12 +528,12 @@ class WorkAdmission:
         self._advance()
         job.finished = True
         self._jobs.pop(job.number, None)
-        if not completed or job.produced <= 0:
+        if not completed or job.speech_tokens <= 0:
             return
-        self.speed.observe_ratio(job.text_tokens, job.produced)
+        self.speed.observe_ratio(job.text_tokens, job.speech_tokens)
         if not self.speed.known(job.streaming):
             if job.work_s > 0:
-                self.speed.calibrate(job.streaming, job.text_tokens, job.produced, job.work_s)
+                self.speed.calibrate(job.streaming, job.text_tokens, job.speech_tokens, job.work_s, 0)
                 self.speed.confirmed = True
             self._window_busy_s = self._window_estimated_s = 0.0
             return
