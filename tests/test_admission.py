@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from trt_cosy.serving.admission import AdmittedJob, Refusal, SpeedModel, WorkAdmission, WorkOrder
+from trt_cosy.serving.admission import (
+    AdmittedJob,
+    Refusal,
+    SpeedModel,
+    WorkAdmission,
+    WorkOrder,
+    render_priority,
+)
 
 
 class FakeClock:
@@ -113,18 +120,18 @@ def test_a_new_request_may_not_make_an_admitted_one_late():
     assert isinstance(refusal, Refusal) and refusal.reason == "overloaded"
 
 
-def test_order_serves_first_chunks_shortest_first_then_streams_then_whole_requests():
+def test_order_serves_streams_first_then_whole_requests_least_work_first():
     policy, _ = _policy()
-    whole = policy.admit([10, 10], False, 300)  # 1 s + 1 s
+    whole = policy.admit([10, 10], False, 300)  # 200 tokens: 2 s
     stream = policy.admit([10, 10], True, 300)  # first 28 tokens = 0.56 s, rest 172 = 3.44 s
-    short = policy.admit([2], False, 300)  # 20 tokens = 0.2 s, all of it a first chunk
+    short = policy.admit([2], False, 300)  # 20 tokens: 0.2 s, goes before the longer whole request
     order = WorkOrder.predict(policy.jobs, policy._remaining)
-    assert order.first_audio[short.number] == pytest.approx(0.2)
-    assert order.first_audio[stream.number] == pytest.approx(0.76)
-    assert order.first_audio[whole.number] == pytest.approx(1.76)
-    assert order.finish[short.number] == pytest.approx(0.2)
-    assert order.finish[stream.number] == pytest.approx(5.2)
+    assert order.first_audio == {stream.number: pytest.approx(0.56)}
+    assert order.finish[stream.number] == pytest.approx(4.0)
+    assert order.finish[short.number] == pytest.approx(4.2)
     assert order.finish[whole.number] == pytest.approx(6.2)
+    assert render_priority(stream) == (0, 0, stream.number)
+    assert render_priority(short) < render_priority(whole)
 
 
 def test_streams_are_judged_on_first_audio_and_keeping_up():

@@ -87,20 +87,27 @@ def test_limit_must_be_positive():
         RenderTurns(0)
 
 
-def test_with_priorities_requests_go_in_their_order_not_their_arrival():
-    """A server gives each request its admission number: the earliest admitted request's later chunks
-    go before those of requests admitted after it, whatever order they queue in; first chunks still
-    go first."""
+def test_with_priorities_streams_go_first_and_whole_requests_by_rank():
+    """A server gives each request its place: a streamed request's first chunks (shortest first), then
+    its later chunks in admission order, then non-streamed requests by (rank, number), whatever order
+    they queue in."""
     turns = RenderTurns(1)
     order: list[str] = []
-    waiting = [(False, (1, 5), "later-of-5"), (False, (1, 2), "later-of-2"), (True, (1, 9), "first-of-9"),
-               (False, (0, 7), "stream-of-7")]
+    waiting = [
+        (True, (1, 900, 1), 300, "whole-900-first-chunk"),
+        (False, (1, 50, 6), 0, "whole-50"),
+        (False, (1, 900, 0), 0, "whole-900-admitted-first"),
+        (False, (0, 0, 4), 0, "stream-4-later"),
+        (True, (0, 0, 5), 60, "stream-5-first-60"),
+        (False, (0, 0, 3), 0, "stream-3-later"),
+        (True, (0, 0, 7), 28, "stream-7-first-28"),
+    ]
     threads = []
     with turns.turn(False):
-        for first, priority, name in waiting:
+        for first, priority, size, name in waiting:
 
-            def run(first=first, priority=priority, name=name) -> None:
-                with turns.turn(first, None, priority):
+            def run(first=first, priority=priority, size=size, name=name) -> None:
+                with turns.turn(first, None, priority, size):
                     order.append(name)
 
             threads.append(threading.Thread(target=run))
@@ -109,24 +116,12 @@ def test_with_priorities_requests_go_in_their_order_not_their_arrival():
             _wait_for(lambda in_line=in_line: len(turns._waiting) == in_line)
     for thread in threads:
         thread.join(5.0)
-    assert order == ["first-of-9", "stream-of-7", "later-of-2", "later-of-5"]
-
-
-def test_with_priorities_first_chunks_go_shortest_first():
-    turns = RenderTurns(1)
-    order: list[int] = []
-    threads = []
-    with turns.turn(False):
-        for number, size in enumerate((900, 40, 300)):
-
-            def run(number=number, size=size) -> None:
-                with turns.turn(True, None, (1, number), size):
-                    order.append(size)
-
-            threads.append(threading.Thread(target=run))
-            threads[-1].start()
-            in_line = len(threads)
-            _wait_for(lambda in_line=in_line: len(turns._waiting) == in_line)
-    for thread in threads:
-        thread.join(5.0)
-    assert order == [40, 300, 900]
+    assert order == [
+        "stream-7-first-28",
+        "stream-5-first-60",
+        "stream-3-later",
+        "stream-4-later",
+        "whole-50",
+        "whole-900-admitted-first",
+        "whole-900-first-chunk",
+    ]

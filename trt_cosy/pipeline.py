@@ -126,9 +126,10 @@ class Request:
     llm_yield: str = "first"
     render_turns: RenderTurns | None = RENDER_TURNS
     """Renders of concurrent requests take turns (first chunks first); None: they run at once."""
-    render_priority: tuple[int, int] | None = None
-    """This request's place in the render turns (lower first), e.g. ``(0 if streamed else 1, admission
-    number)`` from a server; None: each render in its arrival order (requests share the turns)."""
+    render_priority: tuple[int, int, int] | None = None
+    """This request's place in the render turns (``RenderTurns.turn``), from a server's admission
+    (``serving.admission.render_priority``); None: each render in its arrival order (requests share
+    the turns)."""
 
     def __init__(
         self,

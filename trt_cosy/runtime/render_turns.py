@@ -7,10 +7,10 @@ each at half speed (less: the spinning threads of one steal cycles from the othe
 come late. Taking turns instead, the first render in line finishes after one render's time. The
 first chunk of a request (its time to first audio) goes before any later chunk of another request,
 whose listener already has audio playing; within each kind it is first come, first served, or, for
-requests given a ``priority`` (a server gives its admission order), in that order: then one
-request's renders go before those of requests admitted after it, so requests finish one after the
-other instead of all slowing down together, and first chunks go shortest first (``serving.admission``
-predicts that order).
+requests given a ``priority`` (a server's admission: ``serving.admission.render_priority``), in that
+order: streamed requests' first chunks (shortest first) and then their later chunks, then
+non-streamed requests one at a time (least expected work first), so requests finish one after the
+other instead of all slowing down together (``serving.admission.WorkOrder`` predicts that order).
 
 A render still waits for ``work_gate.RENDER_GATE`` (memory) first; turns only order the renders
 that the gate admits. docs/benchmarks.md ("Continuous batching") has the measurements.
@@ -45,31 +45,33 @@ class RenderTurns:
         self.running = 0
         self._lock = threading.Condition()
         self._tickets = itertools.count()
-        # (0 for a first chunk else 1, size of a prioritised first chunk, priority or (0, ticket), ticket)
-        self._waiting: list[tuple[int, int, tuple[int, int], int]] = []
+        self._waiting: list[tuple[int, ...]] = []  # (kind, size or rank, number, ticket), sorted
 
     @contextlib.contextmanager
     def turn(
         self,
         first: bool,
         cancelled: Callable[[], bool] | None = None,
-        priority: tuple[int, int] | None = None,
+        priority: tuple[int, int, int] | None = None,
         size: int = 0,
     ) -> Iterator[None]:
         """Wait for this render's turn, hold it for the block, then pass it on.
 
-        ``priority``: the request's place among the others (lower first; ``Request.render_priority``);
-        None: this render's arrival. With a priority, first chunks go shortest ``size`` (speech
-        tokens) first, so a short request is not stuck behind a long request's first segment.
+        ``priority``: the request's place among the others (``Request.render_priority``): ``(0, _,
+        number)`` for a streamed request, whose first chunks go first, shortest ``size`` (speech tokens)
+        first, and later chunks in ``number`` order; ``(1, rank, number)`` for a non-streamed one,
+        whose chunks all go after those, lowest ``(rank, number)`` first. None: this render's arrival.
 
         Raises:
             GateCancelled: ``cancelled()`` became True while waiting (nothing is held).
         """
         ticket = next(self._tickets)
         if priority is None:
-            key = (0 if first else 1, 0, (0, ticket), ticket)
-        else:
-            key = (0 if first else 1, size if first else 0, priority, ticket)
+            key: tuple[int, ...] = (0 if first else 1, 0, 0, ticket)
+        elif priority[0] == 0:  # a streamed request: first chunks shortest first, then admission order
+            key = (0, size, priority[-1], ticket) if first else (1, 0, priority[-1], ticket)
+        else:  # a non-streamed request: all its chunks at its rank
+            key = (2, *priority[1:], ticket)
         with self._lock:
             self._waiting.append(key)
             self._waiting.sort()

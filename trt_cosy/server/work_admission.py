@@ -21,7 +21,7 @@ from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..serving.admission import AdmittedJob, Refusal, SpeedModel, WorkAdmission
+from ..serving.admission import AdmittedJob, Refusal, SpeedModel, WorkAdmission, render_priority
 from ..synthesis import AudioChunk
 from .access_log import REASON_KEY
 from .errors import APIError
@@ -152,7 +152,7 @@ class ServerWork:
             raise APIError(decision.status, decision.message, code, headers=headers)
         request = getattr(chunks, "request", None)
         if request is not None:  # the engine serves the heavy stages in admission order
-            request.render_priority = (0 if streaming else 1, decision.number)
+            request.render_priority = render_priority(decision)
         self.publish()
         return WorkTicket(self, decision)
 

@@ -20,10 +20,11 @@ The work model:
   replaces the warm-up's estimate, later ones move it by an exponential average.
 
 The order it predicts (``WorkOrder``), which the engine follows (``runtime.render_turns`` with the
-request's admission number): the first chunk of every request (a non-streamed request's first
-segment) before any later chunk, shortest first; then later chunks of streamed requests, then those
-of non-streamed requests, first admitted first. A short request is thus not stuck behind a long
-one, and the rule below keeps it from making an admitted long request late. The heavy stages (flow + vocoder) run one request at a
+request's ``render_priority``): first chunks of streamed requests (time to first audio), shortest
+first; then their later chunks, first admitted first (keeping up); then non-streamed requests one at
+a time, least expected work first, then first admitted first. Requests thus finish one after the
+other instead of all slowing down together, a short request is not stuck behind a long one, and the
+rule below keeps it from making an admitted long request late. The heavy stages (flow + vocoder) run one request at a
 time in that order, so requests finish one after the other instead of all slowing down together.
 
 The rule (``WorkAdmission.admit``):
@@ -59,6 +60,7 @@ __all__ = [
     "Refusal",
     "WorkAdmission",
     "WorkOrder",
+    "render_priority",
     "DEFAULT_MARGIN",
     "DEFAULT_OTHERS_MARGIN",
     "DEFAULT_ALPHA",
@@ -272,38 +274,47 @@ class _Remaining:
 @dataclass
 class WorkOrder:
     """Predicted times of admitted jobs in the engine's order (a fluid model: the machine works on one
-    thing at a time at the measured speed).
+    thing at a time at the measured speed; ``render_priority`` gives the engine the same order).
 
-    Pending first chunks shortest first (then in admission order), then the rest of streamed
-    requests, then the rest of non-streamed requests, each in admission order.
+    First chunks of streamed requests, shortest first; then the rest of streamed requests in admission
+    order; then non-streamed requests whole (their audio is sent when complete, so a first chunk gains
+    them nothing), least expected work first, then in admission order.
     """
 
     first_audio: dict[int, float] = field(default_factory=dict)
-    """Job number -> seconds from now to its first audio (only jobs still waiting for it)."""
+    """Job number -> seconds from now to its first audio (streamed jobs still waiting for it)."""
     finish: dict[int, float] = field(default_factory=dict)
     """Job number -> seconds from now until it is complete."""
 
     @classmethod
     def predict(cls, jobs: Sequence[AdmittedJob], remaining: Callable[[AdmittedJob], _Remaining]) -> WorkOrder:
         order = cls()
-        ordered = sorted(jobs, key=lambda job: job.number)
-        parts = {job.number: remaining(job) for job in ordered}
+        parts = {job.number: remaining(job) for job in jobs}
+        streams = sorted((job for job in jobs if job.streaming), key=lambda job: job.number)
         elapsed = 0.0
-        for job in sorted(ordered, key=lambda job: (job.first_tokens, job.number)):  # first chunks, shortest first
-            if parts[job.number].first_s > 0 or not job.first_done:
+        for job in sorted(streams, key=lambda job: (job.first_tokens, job.number)):
+            if not job.first_done:
                 elapsed += parts[job.number].first_s
                 order.first_audio[job.number] = elapsed
-        for streaming in (True, False):
-            for job in ordered:
-                if job.streaming != streaming:
-                    continue
-                rest = parts[job.number].rest_s
-                if rest > 0:
-                    elapsed += rest
-                    order.finish[job.number] = elapsed
-                else:  # done with its first chunk (or nothing left)
-                    order.finish[job.number] = order.first_audio.get(job.number, 0.0)
+        for job in streams:
+            elapsed += parts[job.number].rest_s
+            order.finish[job.number] = max(elapsed, order.first_audio.get(job.number, 0.0))
+        for job in sorted((job for job in jobs if not job.streaming), key=render_rank):
+            elapsed += parts[job.number].first_s + parts[job.number].rest_s
+            order.finish[job.number] = elapsed
         return order
+
+
+def render_rank(job: AdmittedJob) -> tuple[int, int]:
+    """A non-streamed job's place among the others: least expected work first, then admission order."""
+    return round(job.total_tokens), job.number
+
+
+def render_priority(job: AdmittedJob) -> tuple[int, int, int]:
+    """``Request.render_priority`` for the job (``runtime.render_turns``): (0 streamed / 1 not, rank)."""
+    if job.streaming:
+        return 0, 0, job.number
+    return (1, *render_rank(job))
 
 
 class WorkAdmission:
