@@ -249,15 +249,18 @@ class Request:
             weight = self.voice.speech_tokens.shape[0] + plan.end
             # The LLM worker pauses while the first chunk renders (llm_yield), so the flow gets the cores.
             hold = self.llm_yield == "always" or (self.llm_yield == "first" and self.first_audio_s is None)
+            # A server's non-streamed request sends its audio whole: its first chunk is no first audio,
+            # and holding the shared LLM would stall the next segments of requests served before it.
+            hold = hold and (self.stream or self.render_priority is None)
             # A shared (batched) decode loop pauses too while a first chunk renders.
             loop_hold = getattr(self.stages.llm, "render_hold", None) if hold else None
             turns = self.render_turns
             try:
                 with contextlib.ExitStack() as stack:
-                    stack.enter_context(RENDER_GATE.hold(weight, lambda: self.feed.cancelled))
+                    first = self.first_audio_s is None
+                    cancelled = lambda: self.feed.cancelled  # noqa: E731
+                    stack.enter_context(RENDER_GATE.hold(weight, cancelled, self.render_priority, first))
                     if turns is not None:
-                        first = self.first_audio_s is None
-                        cancelled = lambda: self.feed.cancelled  # noqa: E731
                         stack.enter_context(turns.turn(first, cancelled, self.render_priority, plan.end))
                     stack.enter_context(self.runs.active())
                     if loop_hold is not None:

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from .work_gate import GateCancelled
+from .work_gate import GateCancelled, render_order
 
 __all__ = ["RenderTurns", "RENDER_TURNS"]
 
@@ -57,21 +57,15 @@ class RenderTurns:
     ) -> Iterator[None]:
         """Wait for this render's turn, hold it for the block, then pass it on.
 
-        ``priority``: the request's place among the others (``Request.render_priority``): ``(0, _,
-        number)`` for a streamed request, whose first chunks go first, shortest ``size`` (speech tokens)
-        first, and later chunks in ``number`` order; ``(1, rank, number)`` for a non-streamed one,
-        whose chunks all go after those, lowest ``(rank, number)`` first. None: this render's arrival.
+        ``priority``: the request's place among the others (``Request.render_priority``; see
+        ``work_gate.render_order``), ``size`` its chunk's speech tokens; None: first chunks first,
+        then this render's arrival.
 
         Raises:
             GateCancelled: ``cancelled()`` became True while waiting (nothing is held).
         """
         ticket = next(self._tickets)
-        if priority is None:
-            key: tuple[int, ...] = (0 if first else 1, 0, 0, ticket)
-        elif priority[0] == 0:  # a streamed request: first chunks shortest first, then admission order
-            key = (0, size, priority[-1], ticket) if first else (1, 0, priority[-1], ticket)
-        else:  # a non-streamed request: all its chunks at its rank
-            key = (2, *priority[1:], ticket)
+        key = render_order(first, priority, size, ticket)
         with self._lock:
             self._waiting.append(key)
             self._waiting.sort()
