@@ -32,7 +32,9 @@ def _policy(seconds_per_token: float = 0.01, streamed: float = 0.02, confirmed: 
     speed.ratio = 10.0
     speed.confirmed = confirmed
     clock = FakeClock()
-    return WorkAdmission(speed, margin=margin, tokens_per_audio_s=25.0, stream_first_tokens=28.0, clock=clock), clock
+    return WorkAdmission(
+        speed, margin=margin, tokens_per_audio_s=25.0, stream_first_tokens=28.0, clock=clock
+    ), clock
 
 
 def _run(policy: WorkAdmission, clock: FakeClock, job: AdmittedJob, seconds: float, tokens: float) -> None:
@@ -216,4 +218,4 @@ def test_short_requests_may_use_the_margin_of_long_ones_admitted_before_them():
     shorts = [policy.admit([2], False, 300) for _ in range(30)]  # 2 s each, served first
     admitted = [job for job in shorts if isinstance(job, AdmittedJob)]
     assert len(admitted) == int((0.95 * 300 - 224) // 2)  # up to 95 % of the long one's timeout
-    assert all(isinstance(job, Refusal) and job.reason == "overloaded" for job in shorts[len(admitted):])
+    assert all(isinstance(job, Refusal) and job.reason == "overloaded" for job in shorts[len(admitted) :])

@@ -55,7 +55,9 @@ def _alone_s(tts: CosyVoice, voices_dir: Path, text: str) -> float:
 
 def _post(url: str, text: str, seed: int, timeout_s: float) -> tuple[httpx.Response, float]:
     started = time.perf_counter()
-    response = httpx.post(url + "/tts", json={"text": text, "voice": "alice", "seed": seed}, timeout=timeout_s)
+    response = httpx.post(
+        url + "/tts", json={"text": text, "voice": "alice", "seed": seed}, timeout=timeout_s
+    )
     return response, time.perf_counter() - started
 
 
@@ -115,5 +117,5 @@ def test_short_requests_among_long_ones_all_complete(tts, voices_dir):
             results = list(pool.map(ask, enumerate(texts)))
     statuses = [response.status_code for response, _ in results]
     assert 504 not in statuses, statuses
-    assert all(status == 200 for text, status in zip(texts, statuses) if text == SHORT), statuses
+    assert all(status == 200 for text, status in zip(texts, statuses, strict=True) if text == SHORT), statuses
     assert all(status in (200, 503) for status in statuses), statuses

@@ -104,7 +104,8 @@ class ServerWork:
         config = getattr(getattr(tts, "model", None), "config", None)
         llm = getattr(config, "llm", None)
         speed = SpeedModel(
-            float(getattr(llm, "min_token_text_ratio", 2.0)), float(getattr(llm, "max_token_text_ratio", 20.0))
+            float(getattr(llm, "min_token_text_ratio", 2.0)),
+            float(getattr(llm, "max_token_text_ratio", 20.0)),
         )
         options: dict[str, Any] = {} if clock is None else {"clock": clock}
         self.policy = WorkAdmission(
@@ -132,7 +133,9 @@ class ServerWork:
             speed.seconds_per_token(True) * 1000,
         )
 
-    def admit(self, scope: MutableMapping[str, Any], chunks: Any, streaming: bool, left_s: float) -> WorkTicket:
+    def admit(
+        self, scope: MutableMapping[str, Any], chunks: Any, streaming: bool, left_s: float
+    ) -> WorkTicket:
         """Admit the request whose planned synthesis is ``chunks`` with ``left_s`` of its timeout left.
 
         Raises:

@@ -39,7 +39,7 @@ The rule (``WorkAdmission.admit``):
   else 503 (``overloaded``) with a ``Retry-After`` of the seconds the queue needs to drain enough;
 - a streamed request is judged on its time to first audio (the same rule, on the first chunk) and
   on keeping up: the streams running together must need at most the machine's real-time capacity
-  (``cannot_keep_up``), unless it is the only stream.
+  (``cannot_keep_up``), unless it is the only stream (checked once the speed is confirmed).
 
 A lone request on an idle server is never refused unless its expected work alone exceeds the timeout.
 """
@@ -287,7 +287,9 @@ class WorkOrder:
     """Job number -> seconds from now until it is complete."""
 
     @classmethod
-    def predict(cls, jobs: Sequence[AdmittedJob], remaining: Callable[[AdmittedJob], _Remaining]) -> WorkOrder:
+    def predict(
+        cls, jobs: Sequence[AdmittedJob], remaining: Callable[[AdmittedJob], _Remaining]
+    ) -> WorkOrder:
         order = cls()
         parts = {job.number: remaining(job) for job in jobs}
         streams = sorted((job for job in jobs if job.streaming), key=lambda job: job.number)
@@ -378,14 +380,18 @@ class WorkAdmission:
         speech tokens' worth (``SpeedModel.work_tokens``)."""
         speed = self.speed
         total = speed.work_tokens(speed.speech_tokens(sum(segment_tokens)), streaming, len(segment_tokens))
-        first = speed.work_tokens(speed.speech_tokens(segment_tokens[0]), streaming, 1) if segment_tokens else 0.0
+        first = (
+            speed.work_tokens(speed.speech_tokens(segment_tokens[0]), streaming, 1) if segment_tokens else 0.0
+        )
         if streaming:
             first = min(first, self.stream_first_tokens)
         return first, total, total * speed.seconds_per_token(streaming)
 
     # ------------------------------------------------------------------ decisions
 
-    def admit(self, segment_tokens: Sequence[int], streaming: bool, timeout_s: float) -> AdmittedJob | Refusal:
+    def admit(
+        self, segment_tokens: Sequence[int], streaming: bool, timeout_s: float
+    ) -> AdmittedJob | Refusal:
         """Admit a request of those text tokens per segment, or say why not.
 
         Args:
@@ -441,7 +447,7 @@ class WorkAdmission:
             )
         if not others:
             return None
-        if job.streaming:
+        if job.streaming and self.speed.confirmed:  # the warm-up's streamed pass also opens a session
             refusal = self._keep_up(job, others)
             if refusal is not None:
                 return refusal
@@ -483,7 +489,10 @@ class WorkAdmission:
         if real_time * (len(streams) + 1) <= 1.0:
             return None
         # The first stream to end frees its share: its audio left, played in real time at best.
-        left_s = min(max(0.0, other.total_tokens - other.speech_tokens) for other in streams) / self.tokens_per_audio_s
+        left_s = (
+            min(max(0.0, other.total_tokens - other.speech_tokens) for other in streams)
+            / self.tokens_per_audio_s
+        )
         retry = max(1, math.ceil(left_s))
         return Refusal(
             503,
@@ -509,7 +518,11 @@ class WorkAdmission:
             job.started_at = self._clock()
 
     def progress(
-        self, job: AdmittedJob, speech_tokens: float, segment_done: bool = False, render_s: float | None = None
+        self,
+        job: AdmittedJob,
+        speech_tokens: float,
+        segment_done: bool = False,
+        render_s: float | None = None,
     ) -> None:
         """The job produced a chunk of ``speech_tokens`` (its first audio, at the first call).
 
