@@ -119,3 +119,45 @@ def test_short_requests_among_long_ones_all_complete(tts, voices_dir):
     assert 504 not in statuses, statuses
     assert all(status == 200 for text, status in zip(texts, statuses, strict=True) if text == SHORT), statuses
     assert all(status in (200, 503) for status in statuses), statuses
+
+
+def test_server_work_refuses_with_headers_reason_and_metrics_and_orders_the_admitted(tmp_path):
+    """The server glue on a fake clock: warm-up calibration, 503 + Retry-After, the access-log reason,
+    the refusal counter, and the render priority given to an admitted request."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from prometheus_client import generate_latest
+
+    from trt_cosy.server import ServerSettings
+    from trt_cosy.server.access_log import REASON_KEY
+    from trt_cosy.server.errors import APIError
+    from trt_cosy.server.metrics import Metrics
+    from trt_cosy.server.work_admission import ServerWork, WarmupRun
+
+    now = [0.0]
+    metrics = Metrics()
+    settings = ServerSettings(voices_dir=tmp_path, request_timeout_s=100.0)
+    work = ServerWork(SimpleNamespace(), settings, metrics, clock=lambda: now[0])
+    work.calibrate([WarmupRun(False, 10, 200, 2.0)])  # 20 per text token, 10 ms per token
+    work.policy.speed.confirmed = True
+
+    def planned(text_tokens: int):
+        segments = [SimpleNamespace(ids=np.zeros(text_tokens, np.int64))]
+        return SimpleNamespace(request=SimpleNamespace(segments=segments, render_priority=None))
+
+    chunks = [planned(200) for _ in range(3)]  # 4000 tokens: 40 s each, two fit in 80 s
+    tickets = [work.admit({}, item, False, 100.0) for item in chunks[:2]]
+    assert [item.request.render_priority for item in chunks[:2]] == [(1, 4000, 0), (1, 4000, 1)]
+    scope: dict = {}
+    with pytest.raises(APIError) as refused:
+        work.admit(scope, chunks[2], False, 100.0)
+    assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "40"
+    assert scope[REASON_KEY].startswith("refused: overloaded")
+    exposition = generate_latest(metrics.registry).decode()
+    assert metric_value(exposition, "trt_cosy_admission_refused_total", reason="overloaded") == 1
+    tickets[0].start()
+    now[0] = 40.0
+    tickets[0].progress(SimpleNamespace(timings={"tokens": 4000.0}, is_last=True))
+    tickets[0].close(completed=True)
+    assert work.admit({}, chunks[2], False, 100.0) is not None  # room again
