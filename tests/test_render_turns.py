@@ -85,3 +85,43 @@ def test_cancelled_waiter_leaves_the_line_and_holds_nothing():
 def test_limit_must_be_positive():
     with pytest.raises(ValueError, match="limit >= 1"):
         RenderTurns(0)
+
+
+def test_with_priorities_streams_go_first_and_whole_requests_by_rank():
+    """A server gives each request its place: a streamed request's first chunks (shortest first), then
+    its later chunks in admission order, then non-streamed requests by (rank, number), whatever order
+    they queue in."""
+    turns = RenderTurns(1)
+    order: list[str] = []
+    waiting = [
+        (True, (1, 900, 1), 300, "whole-900-first-chunk"),
+        (False, (1, 50, 6), 0, "whole-50"),
+        (False, (1, 900, 0), 0, "whole-900-admitted-first"),
+        (False, (0, 0, 4), 0, "stream-4-later"),
+        (True, (0, 0, 5), 60, "stream-5-first-60"),
+        (False, (0, 0, 3), 0, "stream-3-later"),
+        (True, (0, 0, 7), 28, "stream-7-first-28"),
+    ]
+    threads = []
+    with turns.turn(False):
+        for first, priority, size, name in waiting:
+
+            def run(first=first, priority=priority, size=size, name=name) -> None:
+                with turns.turn(first, None, priority, size):
+                    order.append(name)
+
+            threads.append(threading.Thread(target=run))
+            threads[-1].start()
+            in_line = len(threads)
+            _wait_for(lambda in_line=in_line: len(turns._waiting) == in_line)
+    for thread in threads:
+        thread.join(5.0)
+    assert order == [
+        "stream-7-first-28",
+        "stream-5-first-60",
+        "stream-3-later",
+        "stream-4-later",
+        "whole-50",
+        "whole-900-admitted-first",
+        "whole-900-first-chunk",
+    ]

@@ -130,3 +130,24 @@ def test_cancel_aborts_a_running_onnx_runtime_graph(tmp_path):
     with pytest.raises(RunCancelled), scope.active():
         runner.infer(feed)
     assert time.perf_counter() - started < full_s * 0.8, (time.perf_counter() - started, full_s)
+
+
+def test_with_priorities_the_gate_lets_renders_in_by_render_order_not_arrival():
+    """A server's earlier non-streamed request (number 0) goes through the gate before a later one
+    (number 1) that queued first, so the render turns behind the gate see them in that order."""
+    gate, order = WorkGate(100), []
+    threads = []
+    with gate.hold(100):  # full: everyone below queues
+        for number, first in ((1, True), (0, False), (2, False)):
+
+            def run(number=number, first=first) -> None:
+                with gate.hold(80, None, (1, 500, number), first):
+                    order.append(number)
+
+            threads.append(threading.Thread(target=run, daemon=True))
+            threads[-1].start()
+            in_line = len(threads)
+            _wait_for(lambda in_line=in_line: len(gate._queue) == in_line)
+    for thread in threads:
+        thread.join(5.0)
+    assert order == [0, 1, 2]

@@ -126,6 +126,10 @@ class Request:
     llm_yield: str = "first"
     render_turns: RenderTurns | None = RENDER_TURNS
     """Renders of concurrent requests take turns (first chunks first); None: they run at once."""
+    render_priority: tuple[int, int, int] | None = None
+    """This request's place in the render turns (``RenderTurns.turn``), from a server's admission
+    (``serving.admission.render_priority``); None: each render in its arrival order (requests share
+    the turns)."""
 
     def __init__(
         self,
@@ -245,14 +249,19 @@ class Request:
             weight = self.voice.speech_tokens.shape[0] + plan.end
             # The LLM worker pauses while the first chunk renders (llm_yield), so the flow gets the cores.
             hold = self.llm_yield == "always" or (self.llm_yield == "first" and self.first_audio_s is None)
+            # A server's non-streamed request sends its audio whole: its first chunk is no first audio,
+            # and holding the shared LLM would stall the next segments of requests served before it.
+            hold = hold and (self.stream or self.render_priority is None)
             # A shared (batched) decode loop pauses too while a first chunk renders.
             loop_hold = getattr(self.stages.llm, "render_hold", None) if hold else None
             turns = self.render_turns
             try:
                 with contextlib.ExitStack() as stack:
-                    stack.enter_context(RENDER_GATE.hold(weight, lambda: self.feed.cancelled))
+                    first = self.first_audio_s is None
+                    cancelled = lambda: self.feed.cancelled  # noqa: E731
+                    stack.enter_context(RENDER_GATE.hold(weight, cancelled, self.render_priority, first))
                     if turns is not None:
-                        stack.enter_context(turns.turn(self.first_audio_s is None, lambda: self.feed.cancelled))
+                        stack.enter_context(turns.turn(first, cancelled, self.render_priority, plan.end))
                     stack.enter_context(self.runs.active())
                     if loop_hold is not None:
                         stack.enter_context(loop_hold())

@@ -85,7 +85,7 @@ def ray_serve_options(serve_command):
             port=options["port"], threads=options.get("threads"), max_concurrent=options["max_concurrent"],
             max_queue=options["max_queue"], request_timeout_s=options["timeout_s"], replicas=replicas or 1,
             autoscale=_autoscale(autoscale), ray_address=ray_address,
-            settings={"max_segment_tokens": options["max_segment_tokens"]}
+            settings={"max_segment_tokens": options["max_segment_tokens"], "work_admission": options["work_admission"]}
             | ({"api_key": options["api_key"]} if options.get("api_key") else {}),
         ), progress=lambda message: click.echo(message, err=True))
 
@@ -132,12 +132,15 @@ def ray_serve_options(serve_command):
               help="Batch-invariant decoding: a seed's audio is the same byte for byte whatever else the server "
                    "decodes (every shared decode step runs all slots; docs/determinism.md gives the cost). "
                    "Default: EngineConfig's.")
+@click.option("--work-admission/--no-work-admission", default=True, show_default=True,
+              help="Refuse at once (503 + Retry-After, or 413) a request that would not finish within "
+                   "--timeout given the work already admitted; render admitted requests in order.")
 @backend_option()
 @ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
           threads: int | None, workers: int | None, max_concurrent: int, max_queue: int, timeout_s: float,
           api_key: str | None, stream_speech: bool, max_segment_tokens: int, deterministic: bool | None,
-          backend: str) -> None:
+          work_admission: bool, backend: str) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from ..errors import require
 
@@ -155,7 +158,7 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
         _serve_workers(engines, backend, workers, threads, dict(
             voices_dir=voices_dir, host=host, port=port, max_concurrent=max_concurrent, max_queue=max_queue,
             request_timeout_s=timeout_s, api_key=api_key, stream_speech=stream_speech,
-            max_segment_tokens=max_segment_tokens,
+            max_segment_tokens=max_segment_tokens, work_admission=work_admission,
         ))
         return
     # The shared LLM decode loop gets one KV slot per synthesis the server runs at once.
@@ -164,7 +167,7 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     settings = ServerSettings(
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
         max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,
-        stream_speech=stream_speech, max_segment_tokens=max_segment_tokens,
+        stream_speech=stream_speech, max_segment_tokens=max_segment_tokens, work_admission=work_admission,
     )
     click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
     click.echo(f"playground: http://{host}:{port}/" + ("" if api_key is None else " (API key required)"), err=True)

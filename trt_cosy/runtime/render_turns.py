@@ -6,7 +6,11 @@ renders at once on the CPU do not finish sooner than one after the other: they s
 each at half speed (less: the spinning threads of one steal cycles from the other), and both chunks
 come late. Taking turns instead, the first render in line finishes after one render's time. The
 first chunk of a request (its time to first audio) goes before any later chunk of another request,
-whose listener already has audio playing; within each kind it is first come, first served.
+whose listener already has audio playing; within each kind it is first come, first served, or, for
+requests given a ``priority`` (a server's admission: ``serving.admission.render_priority``), in that
+order: streamed requests' first chunks (shortest first) and then their later chunks, then
+non-streamed requests one at a time (least expected work first), so requests finish one after the
+other instead of all slowing down together (``serving.admission.WorkOrder`` predicts that order).
 
 A render still waits for ``work_gate.RENDER_GATE`` (memory) first; turns only order the renders
 that the gate admits. docs/benchmarks.md ("Continuous batching") has the measurements.
@@ -20,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from .work_gate import GateCancelled
+from .work_gate import GateCancelled, render_order
 
 __all__ = ["RenderTurns", "RENDER_TURNS"]
 
@@ -41,16 +45,27 @@ class RenderTurns:
         self.running = 0
         self._lock = threading.Condition()
         self._tickets = itertools.count()
-        self._waiting: list[tuple[int, int]] = []  # (0 for a first chunk else 1, ticket), sorted
+        self._waiting: list[tuple[int, ...]] = []  # (kind, size or rank, number, ticket), sorted
 
     @contextlib.contextmanager
-    def turn(self, first: bool, cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+    def turn(
+        self,
+        first: bool,
+        cancelled: Callable[[], bool] | None = None,
+        priority: tuple[int, int, int] | None = None,
+        size: int = 0,
+    ) -> Iterator[None]:
         """Wait for this render's turn, hold it for the block, then pass it on.
+
+        ``priority``: the request's place among the others (``Request.render_priority``; see
+        ``work_gate.render_order``), ``size`` its chunk's speech tokens; None: first chunks first,
+        then this render's arrival.
 
         Raises:
             GateCancelled: ``cancelled()`` became True while waiting (nothing is held).
         """
-        key = (0 if first else 1, next(self._tickets))
+        ticket = next(self._tickets)
+        key = render_order(first, priority, size, ticket)
         with self._lock:
             self._waiting.append(key)
             self._waiting.sort()

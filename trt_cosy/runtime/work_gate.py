@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Final
 
-__all__ = ["WorkGate", "GateCancelled", "RENDER_GATE", "DEFAULT_RENDER_TOKENS"]
+__all__ = ["WorkGate", "GateCancelled", "RENDER_GATE", "DEFAULT_RENDER_TOKENS", "render_order"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -27,8 +27,24 @@ DEFAULT_RENDER_TOKENS: Final = 2000
 _POLL_S: Final = 0.05
 
 
+def render_order(first: bool, priority: tuple[int, int, int] | None, size: int, ticket: int) -> tuple[int, ...]:
+    """The place of a render in line (lower first), shared by ``WorkGate`` and ``RenderTurns``.
+
+    Without a ``priority``: first chunks first, then arrival (``ticket``). With a server's priority
+    (``serving.admission.render_priority``): a streamed request ``(0, _, number)`` has its first chunks
+    go first, shortest ``size`` first, then its later chunks in ``number`` order; a non-streamed one
+    ``(1, rank, number)`` comes after those, lowest ``(rank, number)`` first.
+    """
+    if priority is None:
+        return (0 if first else 1, 0, 0, ticket)
+    if priority[0] == 0:
+        return (0, size, priority[-1], ticket) if first else (1, 0, priority[-1], ticket)
+    return (2, *priority[1:], ticket)
+
+
 class WorkGate:
-    """A first-come-first-served weighted semaphore (thread-safe).
+    """A weighted semaphore whose waiters go in line: first come first served, or in ``render_order``
+    when they give a priority (thread-safe).
 
     Args:
         capacity: the total weight admitted at once, >= 1; a heavier request is admitted alone.
@@ -39,26 +55,38 @@ class WorkGate:
         self.in_flight = 0
         self._lock = threading.Condition()
         self._tickets = itertools.count()
-        self._queue: list[int] = []
+        self._queue: list[tuple[int, ...]] = []  # render_order keys, sorted
 
     @contextlib.contextmanager
-    def hold(self, weight: int, cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+    def hold(
+        self,
+        weight: int,
+        cancelled: Callable[[], bool] | None = None,
+        priority: tuple[int, int, int] | None = None,
+        first: bool = False,
+    ) -> Iterator[None]:
         """Wait for room for ``weight``, hold it for the block, then release it.
 
         ``cancelled`` is polled while waiting; when it returns True the wait ends with
-        ``GateCancelled`` (nothing is held).
+        ``GateCancelled`` (nothing is held). ``priority`` and ``first``: the render's place in line
+        (``render_order``); without a priority, arrival order.
         """
         weight = max(1, min(int(weight), self.capacity))
         with self._lock:
             ticket = next(self._tickets)
-            self._queue.append(ticket)
+            if priority is None:
+                key: tuple[int, ...] = (0, 0, 0, ticket)  # arrival order, as before priorities
+            else:
+                key = render_order(first, priority, int(weight), ticket)
+            self._queue.append(key)
+            self._queue.sort()
             try:
-                while self._queue[0] != ticket or self.in_flight + weight > self.capacity:
+                while self._queue[0] != key or self.in_flight + weight > self.capacity:
                     if cancelled is not None and cancelled():
                         raise GateCancelled("cancelled while waiting for render capacity")
                     self._lock.wait(_POLL_S)
             finally:
-                self._queue.remove(ticket)
+                self._queue.remove(key)
                 self._lock.notify_all()
             self.in_flight += weight
         try:

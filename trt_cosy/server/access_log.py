@@ -1,7 +1,9 @@
 """One log line per HTTP request, written when its last byte has gone out (or the client left):
 
     127.0.0.1 "POST /v1/audio/speech" 200 96044B 1.234s
+    127.0.0.1 "POST /tts" 503 301B 0.004s refused: overloaded (expected 112.0 s of work)
 
+A route that refuses a request puts why in the ASGI scope under ``REASON_KEY``; the line ends with it.
 Logged at INFO on this module's logger (``trt_cosy.server.access_log``), so it can be filtered or
 routed on its own; ``trt-cosy serve`` shows it.
 """
@@ -11,7 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
-__all__ = ["AccessLog"]
+__all__ = ["AccessLog", "REASON_KEY"]
+
+REASON_KEY = "trt_cosy.reason"
+"""Scope key of a short reason (no newlines) that a route gives for refusing a request."""
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -44,12 +49,14 @@ class AccessLog:
             # The path as sent (percent-encoded): no spaces or newlines to forge a log line with.
             raw_path = scope.get("raw_path")
             path = raw_path.decode("latin-1") if raw_path else repr(scope.get("path", ""))
+            reason = scope.get(REASON_KEY)
             _LOGGER.info(
-                '%s "%s %s" %d %dB %.3fs',
+                '%s "%s %s" %d %dB %.3fs%s',
                 client[0] if client else "-",
                 scope.get("method", ""),
                 path,
                 status,
                 sent,
                 time.perf_counter() - started,
+                f" {reason}" if reason else "",
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Final
 
@@ -43,6 +44,7 @@ from .state import ServerState
 from .timeouts import BodyReadTimeout
 from .voices_api import voices_router
 from .voices_store import VoiceStore
+from .work_admission import ServerWork, WarmupRun, segment_tokens_of
 
 __all__ = ["create_app", "warm_up"]
 
@@ -53,9 +55,11 @@ _WARMUP_RATE: Final = 16000
 _UPLOAD_SLACK: Final = 64 * 1024  # multipart framing and the form fields around the file
 
 
-def warm_up(tts: Any) -> None:
+def warm_up(tts: Any) -> list[WarmupRun]:
     """Run every graph once: a voice from a synthetic 2 s recording, then one short sentence, plain and
-    streamed (which also creates the deferred chunk-attention session, ``engines.LAZY_GRAPHS``)."""
+    streamed (which also creates the deferred chunk-attention session, ``engines.LAZY_GRAPHS``).
+
+    Returns each synthesis measured (the admission's first estimate of this machine's speed)."""
     rng = np.random.default_rng(0)
     time_axis = np.arange(2 * _WARMUP_RATE) / _WARMUP_RATE  # time_axis: [N]
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3 * time_axis)  # syllable-like loudness
@@ -68,9 +72,15 @@ def warm_up(tts: Any) -> None:
         path = Path(folder) / "warmup.wav"
         soundfile.write(path, signal.astype(np.float32), _WARMUP_RATE)
         voice = tts.voice_from_wav(path, None)
+    runs = []
     for config in (SynthesisConfig(), SynthesisConfig(stream=True)):
-        for _ in tts.synthesize(_WARMUP_TEXT, voice, 0, config=config):
-            pass
+        started = time.perf_counter()
+        chunks = tts.synthesize(_WARMUP_TEXT, voice, 0, config=config)
+        speech_tokens = sum(chunk.timings.get("tokens", 0.0) for chunk in chunks)
+        segments = segment_tokens_of(chunks) or [0]
+        seconds = time.perf_counter() - started
+        runs.append(WarmupRun(config.stream, sum(segments), speech_tokens, seconds, len(segments)))
+    return runs
 
 
 def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
@@ -84,6 +94,7 @@ def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
         metrics=metrics,
         admission=Admission(settings.max_concurrent, settings.max_queue, metrics),
         formats=available_formats(),
+        work=ServerWork(tts, settings, metrics),
     )
 
     @contextlib.asynccontextmanager
@@ -126,7 +137,9 @@ def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
 async def _warm_up(state: ServerState) -> None:
     if state.settings.warmup:
         try:
-            await anyio.to_thread.run_sync(warm_up, state.tts)
+            runs = await anyio.to_thread.run_sync(warm_up, state.tts)
+            if state.work is not None:
+                state.work.calibrate(runs)
         except Exception as exc:
             state.warmup_error = f"{type(exc).__name__}: {exc}"
             _LOGGER.exception("warm-up failed; the server stays unready")

@@ -22,6 +22,7 @@ from .audio_encoding import pcm16, wav_header
 from .errors import APIError
 from .limits import Slot
 from .metrics import Metrics
+from .work_admission import WorkTicket
 
 __all__ = ["SynthesisJob", "stream_body", "collect", "cancel_on_disconnect"]
 
@@ -37,6 +38,8 @@ class SynthesisJob:
         metrics: where time to first audio, RTF and cancellations are recorded.
         received_at: ``time.perf_counter()`` when the request arrived (time to first audio counts from it).
         timeout_s: the request's budget from ``received_at``; checked before every chunk.
+        work: the request's place in the admission by expected work (``WorkTicket``): started now,
+            told each chunk, closed with the job.
     """
 
     def __init__(
@@ -46,8 +49,11 @@ class SynthesisJob:
         metrics: Metrics,
         received_at: float,
         timeout_s: float,
+        work: WorkTicket | None = None,
     ):
         self._chunks = chunks
+        self._work = work or WorkTicket()
+        self._work.start()
         self._slot = slot
         self._metrics = metrics
         self._received_at = received_at
@@ -111,6 +117,7 @@ class SynthesisJob:
             self._metrics.first_audio.observe(time.perf_counter() - self._received_at)
         self._count += 1
         self._audio_s += chunk.duration
+        self._work.progress(chunk)
         return chunk
 
     async def _pull(self) -> AudioChunk | None:
@@ -154,6 +161,7 @@ class SynthesisJob:
             _LOGGER.warning("could not close a running synthesis; it finishes its chunk first")
         finally:
             self._slot.release()
+            self._work.close(completed=reason is None)
         elapsed = time.perf_counter() - self._started
         if reason is None:
             if self._audio_s > 0:

@@ -20,6 +20,8 @@ _LOGGER = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _RTF_BUCKETS: Final = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+_WORK_BUCKETS: Final = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_RATIO_BUCKETS: Final = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _NAMESPACE: Final = "trt_cosy"
 _KNOWN_PATHS: Final = frozenset(
     ("/", "/v1/audio/speech", "/tts", "/v1/models", "/v1/voices", "/health", "/metrics")
@@ -64,6 +66,50 @@ class Metrics:
         self.queue_depth = Gauge("queue_depth", "Requests waiting for a synthesis slot.", **common)
         self.active = Gauge("active_requests", "Syntheses (and voice uploads) running now.", **common)
         self.ready = Gauge("ready", "1 once warm-up has finished, else 0.", **common)
+        # Admission by expected work (server.work_admission).
+        self.admission_refused = Counter(
+            "admission_refused",
+            "Requests refused at once by admission by expected work, by reason "
+            "(overloaded, cannot_keep_up: 503; too_long: 413).",
+            ("reason",),
+            **common,
+        )
+        self.work_estimated = Histogram(
+            "work_estimated_seconds",
+            "Expected machine seconds of each completed request, when it was admitted.",
+            buckets=_WORK_BUCKETS,
+            **common,
+        )
+        self.work_actual = Histogram(
+            "work_actual_seconds",
+            "Machine seconds each completed request took (the busy time shared among those running).",
+            buckets=_WORK_BUCKETS,
+            **common,
+        )
+        self.work_ratio = Histogram(
+            "work_estimate_ratio",
+            "Actual over expected work of each completed request.",
+            buckets=_RATIO_BUCKETS,
+            **common,
+        )
+        self.queue_seconds = Histogram(
+            "queue_seconds",
+            "Time from admission to the start of synthesis (waiting for a slot).",
+            buckets=_LATENCY_BUCKETS,
+            **common,
+        )
+        self.admitted_work = Gauge(
+            "admitted_work_seconds", "Expected machine seconds of the admitted work still to do.", **common
+        )
+        self.seconds_per_token = Gauge(
+            "seconds_per_speech_token",
+            "Measured machine seconds per speech token, by mode (whole, streamed).",
+            ("mode",),
+            **common,
+        )
+        self.speech_text_ratio = Gauge(
+            "speech_text_ratio", "Learnt speech tokens per text token.", **common
+        )
 
 
 def exposition_for(metrics: Metrics, accept: str) -> tuple[bytes, str]:

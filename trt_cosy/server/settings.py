@@ -39,6 +39,11 @@ class ServerSettings:
     """Requests allowed to wait for a free slot; one more is answered 429, >= 0."""
     request_timeout_s: float = 300.0
     """A request still queued or synthesising after this many seconds stops (503/504, or the stream ends)."""
+    work_admission: bool = True
+    """Admission by expected work (``server.work_admission``): a request that would not finish within
+    ``request_timeout_s`` given the work already admitted is refused at once (503 + Retry-After; 413
+    when it could not even alone), and admitted requests are rendered in admission order. False:
+    every request within ``max_concurrent`` + ``max_queue`` is admitted and they share the renders."""
     max_upload_bytes: int = 10 * 1024 * 1024
     """Largest reference-audio upload, bytes (413 beyond)."""
     max_upload_seconds: float = 30.0

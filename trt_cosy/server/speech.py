@@ -112,11 +112,19 @@ async def _synthesize(
     # Checks the text (normalises and tokenises it) at once; InputError becomes a 400. Lazy after that.
     chunks = await anyio.to_thread.run_sync(lambda: state.tts.synthesize(text, voice, seed, config))
     try:
-        slot = await state.admission.acquire(settings.request_timeout_s)
+        # Refused at once (503/413) when it would not finish in time with the work admitted.
+        left_s = settings.request_timeout_s - (time.perf_counter() - received_at)
+        work = state.work.admit(request.scope, chunks, streaming, left_s) if state.work else None
+        try:
+            slot = await state.admission.acquire(settings.request_timeout_s)
+        except BaseException:
+            if work is not None:
+                work.close(completed=False)
+            raise
     except BaseException:
         chunks.close()
         raise
-    job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s)
+    job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s, work)
     try:
         # A client that leaves cancels the work at once (mid-chunk), streamed or not.
         async with cancel_on_disconnect(job, request.receive):

@@ -27,6 +27,8 @@ class ServerState:
     metrics: Metrics
     admission: Admission
     formats: tuple[str, ...]
+    work: Any = None
+    """Admission by expected work (``work_admission.ServerWork``); None: none."""
     ready: bool = False
     warmup_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

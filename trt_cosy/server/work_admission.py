@@ -1,0 +1,168 @@
+"""The server's admission by expected work (``serving.admission``): estimate, refuse, track, learn.
+
+``ServerWork.admit`` runs after a request's text has been planned (its segments tokenised) and before
+it waits for a synthesis slot: it refuses with 503 + ``Retry-After`` (or 413 when the text could
+never finish within the timeout here) what would not finish in time, and gives an admitted request
+its place in the engine's render order. The ``WorkTicket`` it returns follows the request: started
+when it gets its slot, fed each chunk's speech tokens, closed when it ends (a completed request
+teaches the model its speed). Everything runs on the event loop.
+
+Metrics: ``admission_refused{reason}``, ``work_estimated_seconds`` / ``work_actual_seconds`` /
+``work_estimate_ratio`` (per completed request), ``queue_seconds``, ``admitted_work_seconds``,
+``seconds_per_speech_token{mode}`` and ``speech_text_ratio``. The access log line of a refused
+request ends with the reason (``access_log.REASON_KEY``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ..serving.admission import AdmittedJob, Refusal, SpeedModel, WorkAdmission, render_priority
+from ..synthesis import AudioChunk
+from .access_log import REASON_KEY
+from .errors import APIError
+from .metrics import Metrics
+from .settings import ServerSettings
+
+__all__ = ["ServerWork", "WorkTicket", "WarmupRun", "segment_tokens_of"]
+
+_LOGGER = logging.getLogger(__name__)
+
+_STREAM_FIRST_TOKENS: Final = 28.0  # CosyVoice2's first hop (25) plus its look-ahead (3)
+
+
+@dataclass(frozen=True)
+class WarmupRun:
+    """One warm-up synthesis, measured alone: what calibrates the work model."""
+
+    streaming: bool
+    text_tokens: int
+    speech_tokens: float
+    seconds: float
+    segments: int = 1
+
+
+def segment_tokens_of(chunks: Any) -> list[int] | None:
+    """Text tokens of each planned segment of ``CosyVoice.synthesize``'s iterator; None for other
+    iterators (their work cannot be estimated; they are admitted untracked)."""
+    segments = getattr(getattr(chunks, "request", None), "segments", None)
+    if not segments:
+        return None
+    return [int(segment.ids.size) for segment in segments]
+
+
+class WorkTicket:
+    """An admitted request's place in the work admission; a no-op when the request is untracked."""
+
+    def __init__(self, work: ServerWork | None = None, job: AdmittedJob | None = None):
+        self._work, self._job = work, job
+
+    def start(self) -> None:
+        """The request got its synthesis slot."""
+        if self._work is not None and self._job is not None:
+            self._work.policy.start(self._job)
+            if self._job.queue_s is not None:
+                self._work.metrics.queue_seconds.observe(self._job.queue_s)
+
+    def progress(self, chunk: AudioChunk) -> None:
+        if self._work is not None and self._job is not None:
+            timings = chunk.timings
+            seconds = [timings.get(name) for name in ("llm_wait_s", "flow_s", "vocoder_s")]
+            render_s = sum(seconds) if all(value is not None for value in seconds) else None
+            # A non-streamed chunk is a whole segment (a streamed request's segment costs are not counted).
+            self._work.policy.progress(self._job, float(timings.get("tokens", 0.0)), True, render_s)
+
+    def close(self, completed: bool) -> None:
+        """The request ended (idempotent): ``completed`` with all its audio, or stopped early."""
+        if self._work is None or self._job is None or self._job.finished:
+            return
+        job = self._job
+        self._work.policy.finish(job, completed)
+        self._work.publish()
+        if completed and job.speech_tokens > 0 and math.isfinite(job.estimated_s) and job.estimated_s > 0:
+            metrics = self._work.metrics
+            metrics.work_estimated.observe(job.estimated_s)
+            metrics.work_actual.observe(job.work_s)
+            metrics.work_ratio.observe(job.work_s / job.estimated_s)
+
+
+class ServerWork:
+    """Admission by expected work for one server (``settings.work_admission``).
+
+    Args:
+        tts: the loaded engine; its ``model.config`` gives the family's ratios and token rate
+            (an engine without one gets CosyVoice2's).
+        settings: ``request_timeout_s`` and ``work_admission``.
+        metrics: where refusals, estimates and queue times go.
+    """
+
+    def __init__(self, tts: Any, settings: ServerSettings, metrics: Metrics, clock=None):
+        config = getattr(getattr(tts, "model", None), "config", None)
+        llm = getattr(config, "llm", None)
+        speed = SpeedModel(
+            float(getattr(llm, "min_token_text_ratio", 2.0)),
+            float(getattr(llm, "max_token_text_ratio", 20.0)),
+        )
+        options: dict[str, Any] = {} if clock is None else {"clock": clock}
+        self.policy = WorkAdmission(
+            speed,
+            tokens_per_audio_s=float(getattr(config, "token_frame_rate", 25)),
+            stream_first_tokens=_STREAM_FIRST_TOKENS,
+            **options,
+        )
+        self.enabled = settings.work_admission
+        self.timeout_s = settings.request_timeout_s
+        self.metrics = metrics
+
+    def calibrate(self, runs: Iterable[WarmupRun]) -> None:
+        """Set the speeds from the warm-up's syntheses (each measured alone)."""
+        for run in runs:
+            self.policy.speed.calibrate(
+                run.streaming, run.text_tokens, run.speech_tokens, run.seconds, run.segments
+            )
+        self.publish()
+        speed = self.policy.speed
+        _LOGGER.info(
+            "work model: %.1f speech tokens per text token, %.1f ms per speech token (%.1f streamed)",
+            speed.ratio,
+            speed.seconds_per_token(False) * 1000,
+            speed.seconds_per_token(True) * 1000,
+        )
+
+    def admit(
+        self, scope: MutableMapping[str, Any], chunks: Any, streaming: bool, left_s: float
+    ) -> WorkTicket:
+        """Admit the request whose planned synthesis is ``chunks`` with ``left_s`` of its timeout left.
+
+        Raises:
+            APIError: 503 with ``Retry-After`` when it would not finish in time with the work admitted;
+                413 when it could not even alone.
+        """
+        segments = segment_tokens_of(chunks)
+        if not self.enabled or segments is None:
+            return WorkTicket()
+        decision = self.policy.admit(segments, streaming, left_s)
+        if isinstance(decision, Refusal):
+            self.metrics.admission_refused.labels(decision.reason).inc()
+            scope[REASON_KEY] = f"refused: {decision.reason} (expected {decision.estimated_s:.1f} s of work)"
+            _LOGGER.info("refused a request (%s): %s", decision.reason, decision.message)
+            headers = {} if decision.retry_after_s is None else {"Retry-After": str(decision.retry_after_s)}
+            code = "input_too_long_for_timeout" if decision.status == 413 else "server_overloaded"
+            raise APIError(decision.status, decision.message, code, headers=headers)
+        request = getattr(chunks, "request", None)
+        if request is not None:  # the engine serves the heavy stages in admission order
+            request.render_priority = render_priority(decision)
+        self.publish()
+        return WorkTicket(self, decision)
+
+    def publish(self) -> None:
+        speed = self.policy.speed
+        self.metrics.admitted_work.set(self.policy.work_ahead_s())
+        self.metrics.speech_text_ratio.set(speed.ratio)
+        for streaming, mode in ((False, "whole"), (True, "streamed")):
+            if speed.known(streaming):
+                self.metrics.seconds_per_token.labels(mode).set(speed.seconds_per_token(streaming))
