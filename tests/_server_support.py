@@ -58,7 +58,7 @@ class RecordingTTS:
 
     def synthesize(self, text, voice, seed=None, config=None):
         chunks = self.tts.synthesize(text, voice, seed, config)  # the real checks, at once
-        record = {"times": [], "closed": False, "finished": False, "config": config}
+        record = {"times": [], "closed": False, "finished": False, "config": config, "voice": voice}
         self.requests.append(record)
         if self.scripted_chunks is not None:
             chunks.close()

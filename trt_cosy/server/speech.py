@@ -20,6 +20,7 @@ from .errors import APIError
 from .jobs import SynthesisJob, cancel_on_disconnect, collect
 from .state import ServerState
 from .streaming_encoders import encode_file, open_encoder, streams_incrementally
+from .voice_names import resolve_voice
 
 __all__ = ["SpeechRequest", "SimpleTTSRequest", "speech_router"]
 
@@ -121,7 +122,7 @@ async def _synthesize(
             "input_too_long",
             "input",
         )
-    voice = state.store.get(voice_name).voice
+    voice = resolve_voice(state.store, settings, voice_name).voice
     # Encoded as the audio is made: wav and pcm always, the compressed formats with PyAV. Events
     # (sse) are a stream in any case; their deltas carry whatever the encoder has ready.
     incremental = streams_incrementally(response_format)
