@@ -29,6 +29,8 @@ class ServerSettings:
     """The id listed by ``GET /v1/models``. Requests may name any model: one is served."""
     max_input_chars: int = 4096
     """Longest ``input`` text accepted, in characters (OpenAI's limit)."""
+    max_instructions_chars: int = 1000
+    """Longest ``instructions`` text accepted, in characters (it joins the LLM's prompt of every segment)."""
     max_segment_tokens: int = 200
     """Most text tokens in one segment (a sentence, or short sentences merged the official way); a longer
     one is refused with 400. One segment is rendered at once, and the flow encoder's memory grows with the
@@ -67,7 +69,14 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voices_dir", Path(self.voices_dir))
-        positive = ("max_input_chars", "max_segment_tokens", "max_concurrent", "max_upload_bytes", "max_json_bytes")
+        positive = (
+            "max_input_chars",
+            "max_instructions_chars",
+            "max_segment_tokens",
+            "max_concurrent",
+            "max_upload_bytes",
+            "max_json_bytes",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

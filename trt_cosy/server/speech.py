@@ -122,6 +122,14 @@ async def _synthesize(
             "input_too_long",
             "input",
         )
+    if instructions is not None and len(instructions) > settings.max_instructions_chars:
+        raise APIError(
+            400,
+            f"instructions are {len(instructions)} characters; at most {settings.max_instructions_chars} are "
+            "accepted. Say how to speak in a sentence or two.",
+            "instructions_too_long",
+            "instructions",
+        )
     voice = resolve_voice(state.store, settings, voice_name).voice
     # Encoded as the audio is made: wav and pcm always, the compressed formats with PyAV. Events
     # (sse) are a stream in any case; their deltas carry whatever the encoder has ready.
