@@ -46,6 +46,7 @@ class RecordingTTS:
         self.tts = tts
         self.sample_rate = tts.sample_rate
         self.model_id = tts.model_id
+        self.family = tts.family
         self.tokenizer = getattr(tts, "tokenizer", None)  # the SSE usage counts the input's text tokens
         self.scripted_chunks = scripted_chunks
         self.delay_s = delay_s

@@ -322,7 +322,7 @@ class CosyVoice:
                 f"stream_schedule {config.stream_schedule!r} is not available for this model "
                 f"({family_named(self.family).title}); use one of {', '.join(schedules)}."
             )
-        return request_class(
+        request = request_class(
             self._stages,
             self.model.config,
             segments,
@@ -333,6 +333,8 @@ class CosyVoice:
             prompt,
             schedule=config.stream_schedule,
         )
+        request.speed = 1.0 if config.speed is None else float(config.speed)
+        return request
 
     def llm_prompt(self, voice: Voice, instruct: str | None = None) -> LLMPrompt:
         """What the LLM gets besides the text for ``voice`` and an optional instruction (spec §2.4).

@@ -130,6 +130,15 @@ async def _synthesize(
             "instructions_too_long",
             "instructions",
         )
+    if instructions and instructions.strip() and getattr(state.tts, "family", "") == "v1":
+        raise APIError(
+            400,
+            "instructions need a CosyVoice2 or CosyVoice3 model: CosyVoice 1's instruct mode "
+            "(CosyVoice-300M-Instruct) speaks only in its preset speakers, which this server does not "
+            "serve. Leave instructions out.",
+            "unsupported_param",
+            "instructions",
+        )
     voice = resolve_voice(state.store, settings, voice_name).voice
     # Encoded as the audio is made: wav and pcm always, the compressed formats with PyAV. Events
     # (sse) are a stream in any case; their deltas carry whatever the encoder has ready.
