@@ -268,3 +268,28 @@ def test_without_pyav_aac_names_the_extra_and_the_others_come_whole(scripted, vo
     assert rate == SAMPLE_RATE and audio.shape == (3 * SAMPLE_RATE // 10,)
     assert [event["type"] for event in events] == ["speech.audio.delta", "speech.audio.done"]
     assert base64.b64decode(events[0]["audio"]) == flac.content
+
+
+def test_speed_and_instructions_reach_the_engine(scripted, voices_dir):
+    with running_server(scripted, voices_dir, warmup=False) as url:
+        wait_ready(url)
+        fast = httpx.post(url + SPEECH, json={**GOOD, "speed": 1.5, "response_format": "mp3"}, timeout=60)
+        styled = httpx.post(
+            url + SPEECH, json={**GOOD, "instructions": "Speak cheerfully.", "stream_format": "sse"}, timeout=60
+        )
+        simple = httpx.post(
+            url + "/tts",
+            json={"text": "Hi.", "voice": "alice", "instructions": "Whisper.", "speed": 0.5},
+            timeout=60,
+        )
+        too_fast = httpx.post(url + SPEECH, json={**GOOD, "speed": 4.5}, timeout=60)
+    assert fast.status_code == styled.status_code == simple.status_code == 200, (fast.text, simple.text)
+    configs = [record["config"] for record in scripted.requests]
+    assert (configs[0].speed, configs[0].stream, configs[0].instruct) == (1.5, False, None)
+    assert (configs[1].speed in (None, 1.0), configs[1].stream, configs[1].instruct) == (
+        True,
+        True,
+        "Speak cheerfully.",
+    )
+    assert (configs[2].speed, configs[2].instruct) == (0.5, "Whisper.")
+    assert_error(too_fast, 400, "invalid_speed")

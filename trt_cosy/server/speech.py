@@ -59,6 +59,8 @@ class SimpleTTSRequest(_Strict):
     format: str = "wav"
     stream: bool = False
     seed: int | None = Field(default=None, ge=0)
+    speed: float = 1.0
+    instructions: str | None = None
 
 
 class SynthesisResponse(StreamingResponse):
@@ -215,6 +217,16 @@ def speech_router(state: ServerState) -> APIRouter:
     @router.post("/tts")
     async def simple_tts(body: SimpleTTSRequest, request: Request) -> Response:
         """Speak ``text`` in the stored ``voice`` as ``format`` (wav by default)."""
-        return await _synthesize(state, request, body.text, body.voice, body.format, body.stream, body.seed)
+        return await _synthesize(
+            state,
+            request,
+            body.text,
+            body.voice,
+            body.format,
+            body.stream,
+            body.seed,
+            body.speed,
+            body.instructions,
+        )
 
     return router
