@@ -175,3 +175,20 @@ def serve_without_serving(monkeypatch, tts, cache: Path) -> list[tuple]:
     monkeypatch.setattr(runner, "run_server", lambda tts, settings: served.append((tts, settings)))
     monkeypatch.setenv("TRT_COSY_CACHE", str(cache))
     return served
+
+
+class HoldsLastChunk(RecordingTTS):
+    """Scripted chunks; the last waits until ``client_had_audio`` is set (at most 20 s), and
+    ``held`` records whether it was. A server that encoded only at the end could deliver nothing
+    before it, so the hold would time out: streaming is shown without a race."""
+
+    def __init__(self, tts, chunks: int):
+        super().__init__(tts, scripted_chunks=chunks)
+        self.client_had_audio = threading.Event()
+        self.held: list[bool] = []
+
+    def _scripted(self) -> Iterator[AudioChunk]:
+        for chunk in super()._scripted():
+            if chunk.is_last:
+                self.held.append(self.client_had_audio.wait(20))
+            yield chunk

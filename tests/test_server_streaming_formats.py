@@ -21,6 +21,7 @@ from _server_support import (  # noqa: E402  (skips the module without the serve
     GOOD,
     SAMPLE_RATE,
     SPEECH,
+    HoldsLastChunk,
     RecordingTTS,
     assert_error,
     httpx,
@@ -114,23 +115,6 @@ def test_every_format_streams_in_events_and_as_audio(scripted, voices_dir, name)
         assert len(events) >= 3, "deltas as the chunks are encoded, not one at the end"
         for data in (audio.content, joined):
             assert_length_matches(name, data, pcm_samples)
-
-
-class HoldsLastChunk(RecordingTTS):
-    """Scripted chunks; the last waits until ``client_had_audio`` is set (at most 20 s), and
-    ``held`` records whether it was. A server that encoded only at the end could deliver nothing
-    before it, so the hold would time out: streaming is shown without a race."""
-
-    def __init__(self, tts, chunks: int):
-        super().__init__(tts, scripted_chunks=chunks)
-        self.client_had_audio = threading.Event()
-        self.held: list[bool] = []
-
-    def _scripted(self) -> Iterator[AudioChunk]:
-        for chunk in super()._scripted():
-            if chunk.is_last:
-                self.held.append(self.client_had_audio.wait(20))
-            yield chunk
 
 
 @pytest.mark.parametrize("name", CODECS)
