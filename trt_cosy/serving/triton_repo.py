@@ -31,6 +31,7 @@ INPUTS: Final = (
     ("reference_text", "TYPE_STRING", "[ 1 ]", True),
     ("seed", "TYPE_INT64", "[ 1 ]", True),
     ("stream", "TYPE_BOOL", "[ 1 ]", True),
+    ("instructions", "TYPE_STRING", "[ 1 ]", True),
 )
 OUTPUTS: Final = (("audio", "TYPE_FP32", "[ -1 ]"), ("sample_rate", "TYPE_INT32", "[ 1 ]"))
 DEVICES: Final = ("auto", "cpu", "gpu")

@@ -26,8 +26,9 @@ _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_MAX_TEXT_CHARS: Final = 4096
 INPUT_NAMES: Final = (
-    "text", "voice", "reference_audio", "reference_sample_rate", "reference_text", "seed", "stream",
+    "text", "voice", "reference_audio", "reference_sample_rate", "reference_text", "seed", "stream", "instructions",
 )
+MAX_INSTRUCTIONS_CHARS: Final = 1000
 _REFERENCE_NAME: Final = "reference_audio"
 
 
@@ -44,6 +45,8 @@ class SpeechInputs:
     reference_text: str | None
     seed: int | None
     stream: bool
+    instructions: str | None = None
+    """How to speak (the model's instruct mode, CosyVoice2/3); None or empty: none."""
 
 
 def _one(inputs: Mapping[str, np.ndarray], name: str) -> Any:
@@ -99,7 +102,12 @@ def parse_inputs(inputs: Mapping[str, np.ndarray], max_text_chars: int = DEFAULT
         raise InputError(f"seed must be a non-negative integer, got {seed}.")
     stream = bool(_one(inputs, "stream")) if "stream" in inputs else False
     voice = _string(inputs, "voice") if has_voice else None
-    return SpeechInputs(text, voice, reference, rate, reference_text, seed, stream)
+    instructions = _string(inputs, "instructions").strip() if "instructions" in inputs else ""
+    if len(instructions) > MAX_INSTRUCTIONS_CHARS:
+        raise InputError(
+            f"instructions are {len(instructions)} characters; at most {MAX_INSTRUCTIONS_CHARS} are accepted."
+        )
+    return SpeechInputs(text, voice, reference, rate, reference_text, seed, stream, instructions or None)
 
 
 def _reference(inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, int]:
@@ -138,7 +146,7 @@ class TritonSpeech:
         """
         request = parse_inputs(inputs, self.max_text_chars)
         voice = self._voice(request)
-        config = SynthesisConfig(stream=request.stream)
+        config = SynthesisConfig(stream=request.stream, instruct=request.instructions)
         chunks = self.tts.synthesize(request.text, voice, request.seed, config)
         return request, _samples(chunks)
 
