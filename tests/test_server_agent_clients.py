@@ -27,7 +27,6 @@ import json
 
 import numpy as np
 import pytest
-
 from _server_support import (  # noqa: E402  (skips the module without the server extras)
     SAMPLE_RATE,
     SPEECH,

@@ -10,13 +10,11 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
 from _server_support import (  # noqa: E402  (skips the module without the server extras)
     GOOD,
     SAMPLE_RATE,

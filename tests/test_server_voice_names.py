@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-
 from _server_support import (  # noqa: E402  (skips the module without the server extras)
     GOOD,
     SPEECH,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from _support import reference_wavs, tiny_engines
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
@@ -52,7 +51,7 @@ def test_speed_stretches_each_segment_before_the_vocoder(engine_and_voice):
     hop = 480  # samples per mel frame at 24 kHz (HiFT)
     for speed in (0.5, 2.0):
         assert len(runs[speed]) == len(runs[1.0])  # one chunk per segment, as at speed 1
-        for plain, fast in zip(runs[1.0], runs[speed]):
+        for plain, fast in zip(runs[1.0], runs[speed], strict=True):
             assert fast.timings["tokens"] == plain.timings["tokens"]  # the same speech tokens (same seed)
             frames = plain.samples.shape[0] // hop
             assert plain.samples.shape[0] == frames * hop
