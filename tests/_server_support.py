@@ -46,6 +46,8 @@ class RecordingTTS:
         self.tts = tts
         self.sample_rate = tts.sample_rate
         self.model_id = tts.model_id
+        self.family = tts.family
+        self.tokenizer = getattr(tts, "tokenizer", None)  # the SSE usage counts the input's text tokens
         self.scripted_chunks = scripted_chunks
         self.delay_s = delay_s
         self.gate = threading.Event()
@@ -57,7 +59,7 @@ class RecordingTTS:
 
     def synthesize(self, text, voice, seed=None, config=None):
         chunks = self.tts.synthesize(text, voice, seed, config)  # the real checks, at once
-        record = {"times": [], "closed": False, "finished": False, "config": config}
+        record = {"times": [], "closed": False, "finished": False, "config": config, "voice": voice}
         self.requests.append(record)
         if self.scripted_chunks is not None:
             chunks.close()
@@ -173,3 +175,20 @@ def serve_without_serving(monkeypatch, tts, cache: Path) -> list[tuple]:
     monkeypatch.setattr(runner, "run_server", lambda tts, settings: served.append((tts, settings)))
     monkeypatch.setenv("TRT_COSY_CACHE", str(cache))
     return served
+
+
+class HoldsLastChunk(RecordingTTS):
+    """Scripted chunks; the last waits until ``client_had_audio`` is set (at most 20 s), and
+    ``held`` records whether it was. A server that encoded only at the end could deliver nothing
+    before it, so the hold would time out: streaming is shown without a race."""
+
+    def __init__(self, tts, chunks: int):
+        super().__init__(tts, scripted_chunks=chunks)
+        self.client_had_audio = threading.Event()
+        self.held: list[bool] = []
+
+    def _scripted(self) -> Iterator[AudioChunk]:
+        for chunk in super()._scripted():
+            if chunk.is_last:
+                self.held.append(self.client_had_audio.wait(20))
+            yield chunk

@@ -41,7 +41,7 @@ def stub_models(monkeypatch, render=None) -> list[tuple[int, ChunkPlan]]:
     default 960 zeros per chunk) of every request; returns the (call, plan) log of the renders."""
     calls: list[tuple[int, ChunkPlan]] = []
 
-    def fake_render(stages, voice, tokens, plan, cache, rng, token_mel_ratio, flow_cache=None):
+    def fake_render(stages, voice, tokens, plan, cache, rng, token_mel_ratio, flow_cache=None, speed=1.0):
         calls.append((len(calls), plan))
         samples = np.zeros(960, np.float32) if render is None else render(len(calls) - 1, plan)
         return samples, 0.0, 0.0

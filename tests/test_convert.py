@@ -197,7 +197,7 @@ def test_aconvert_gives_the_chunks_convert_gives(tts, target):
     async_chunks = asyncio.run(collect())
     sync_chunks = list(tts.convert(SPEECH, target, seed=5, config=config))
     assert len(async_chunks) == len(sync_chunks) == 3
-    for ours, theirs in zip(async_chunks, sync_chunks):
+    for ours, theirs in zip(async_chunks, sync_chunks, strict=False):
         np.testing.assert_array_equal(ours.samples, theirs.samples)
 
 

@@ -83,9 +83,9 @@ def _convert_golden_run(tts, golden: dict, run: str, monkeypatch) -> tuple[np.nd
     elif tts.family == "v2":  # the official HiFT draws of each chunk (v3's noise is fixed, in the engines)
         render = pipeline.render_chunk
 
-        def injected(stages, voice, tokens, plan, cache, rng, ratio, flow_cache=None):
+        def injected(stages, voice, tokens, plan, cache, rng, ratio, flow_cache=None, **options):
             noise = golden[f"{run}_c{len(plans) - 1}_hift_sine_noise"].astype(np.float32)
-            return render(stages, voice, tokens, plan, cache, noise, ratio, flow_cache=flow_cache)
+            return render(stages, voice, tokens, plan, cache, noise, ratio, flow_cache=flow_cache, **options)
 
         monkeypatch.setattr(pipeline, "render_chunk", injected)
     original = request._render

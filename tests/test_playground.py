@@ -156,6 +156,22 @@ def test_playground_uploads_a_voice_streams_speech_and_shows_api_errors(browser,
         assert _shown_error(page) == expected
         assert page.evaluate("() => window.playground.error") == expected
 
+        # The instructions box goes into the request: over-long instructions get the API's refusal.
+        page.fill("#text", "Hello.")
+        page.fill("#instructions", "Speak slowly. " * 80)
+        page.click("#speak")
+        expected = _api_message(
+            url,
+            {"model": "tts-1", "input": "Hello.", "voice": "alice", "response_format": "pcm", "stream": True,
+             "instructions": ("Speak slowly. " * 80).strip()},
+            {"Authorization": f"Bearer {KEY}"},
+        )
+        assert "instructions" in expected
+        page.wait_for_function(  # the previous error is still shown until this answer replaces it
+            "expected => document.getElementById('error').textContent === expected", arg=expected
+        )
+        page.fill("#instructions", "")
+
         # A wrong key: the voice list refresh shows the API's refusal.
         page.fill("#api-key", "not-the-key")
         page.dispatch_event("#api-key", "change")

@@ -210,11 +210,11 @@ def test_every_request_gets_one_access_line(scripted, voices_dir, caplog):
         wait_ready(url)
         caplog.clear()
         streamed = httpx.post(url + SPEECH, json={**GOOD, "response_format": "pcm", "stream": True})
-        httpx.get(url + "/v1/voices/..%2Fescape")
+        missing = httpx.get(url + "/v1/voices/..%2Fescape", headers={"X-Request-Id": "client-id-7"})
         bad = httpx.post(url + SPEECH, content=b"{not json", headers={"Content-Type": "application/json"})
-        httpx.get(url + "/health?probe=1")
+        health = httpx.get(url + "/health?probe=1", headers={"X-Request-Id": "bad id with spaces"})
     lines = [record.getMessage() for record in caplog.records if record.name == ACCESS_LOGGER]
-    pattern = re.compile(r'^127\.0\.0\.1 "(\w+) (\S+)" (\d{3}) (\d+)B (\d+\.\d{3})s$')
+    pattern = re.compile(r'^127\.0\.0\.1 "(\w+) (\S+)" (\d{3}) (\d+)B (\d+\.\d{3})s id=(\S+)$')
     parsed = [pattern.match(line) for line in lines]
     assert all(parsed) and len(parsed) == 4, lines
     assert [match.group(1, 2, 3) for match in parsed] == [
@@ -226,6 +226,11 @@ def test_every_request_gets_one_access_line(scripted, voices_dir, caplog):
     assert int(parsed[0].group(4)) == len(streamed.content) == 3 * 2400 * 2  # counted to the last byte
     assert int(parsed[2].group(4)) == len(bad.content) and bad.json()["error"]["code"] == "invalid_request"
     assert all(float(match.group(5)) < 30 for match in parsed)
+    # Every answer names its request: the client's own id when it sent a sane one, else a fresh one.
+    ids = [response.headers["x-request-id"] for response in (streamed, missing, bad, health)]
+    assert [match.group(6) for match in parsed] == ids
+    assert ids[1] == "client-id-7" and ids[3] != "bad id with spaces" and len(set(ids)) == 4
+    assert re.fullmatch(r"[0-9a-f]{32}", ids[0]) and re.fullmatch(r"[0-9a-f]{32}", ids[3])
 
 
 def test_websockets_need_the_key_too(scripted, voices_dir):

@@ -54,6 +54,35 @@ def test_parse_inputs_checks_the_contract():
     for expected, inputs in cases.items():
         with pytest.raises(InputError, match=expected):
             parse_inputs(inputs, max_text_chars=10)
+    styled = parse_inputs({"text": text, "voice": voice, "instructions": np.array([b" Speak cheerfully. "], dtype=object)})
+    assert styled.instructions == "Speak cheerfully."
+    assert parse_inputs({"text": text, "voice": voice, "instructions": np.array([b""], dtype=object)}).instructions is None
+    with pytest.raises(InputError, match="at most 1000"):
+        parse_inputs({"text": text, "voice": voice, "instructions": np.array([b"x" * 1001], dtype=object)})
+
+
+def test_instructions_reach_the_engine_as_its_instruct_mode():
+    from trt_cosy.serving.triton_speech import TritonSpeech
+
+    class RecordingEngine:
+        configs: list = []
+
+        def voice_from_wav(self, path, text=None):
+            return "a voice"
+
+        def synthesize(self, text, voice, seed=None, config=None):
+            self.configs.append(config)
+            return iter(())
+
+    engine = RecordingEngine()
+    inputs = {
+        "text": np.array([b"Hi."], dtype=object),
+        "reference_audio": np.full(16000, 0.1, np.float32),
+        "reference_sample_rate": np.array([16000]),
+        "instructions": np.array([b"Whisper."], dtype=object),
+    }
+    TritonSpeech(engine, None).chunks(inputs)
+    assert engine.configs[-1].instruct == "Whisper." and not engine.configs[-1].stream
 
 
 @pytest.fixture(scope="module")

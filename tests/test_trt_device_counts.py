@@ -17,11 +17,11 @@ import pytest
 from trt_fakes import FAKE_TRT, CountingCuda, FakeEngine, host_array
 
 from trt_cosy.errors import EngineMismatchError
-from trt_cosy.models.registry import read_release_config
+from trt_cosy.models.registry import read_release_config, trt_profiles
 from trt_cosy.runtime import cuda
 from trt_cosy.runtime.kv_slots import PrefillCache
 from trt_cosy.runtime.llm_decode import LLM_DECODE_NAME, cache_input_names, device_cache_inputs
-from trt_cosy.runtime.profiles import GraphProfiles, ProfileLimits, default_profiles, llm_decode_profiles
+from trt_cosy.runtime.profiles import GraphProfiles, ProfileLimits, llm_decode_profiles
 from trt_cosy.runtime.trt import TrtRunner
 from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype
 
@@ -166,7 +166,7 @@ def _llm_engine(config) -> tuple[FakeEngine, GraphProfiles]:
     layer), logits[0, t, v] = v + Σ present_keys + Σ embeds[0, t] (a stale or missing past shows)."""
     qwen = config.llm.qwen
     heads, head_dim = qwen.num_kv_heads, qwen.head_dim
-    profiles = default_profiles(config, ProfileLimits(max_prefill=64, max_context=256, decode_buckets=(64,)))["llm"]
+    profiles = trt_profiles(config, ProfileLimits(max_prefill=64, max_context=256, decode_buckets=(64,)))["llm"]
 
     def compute(views):
         embeds = np.asarray(views["inputs_embeds"])  # [1, T, D]

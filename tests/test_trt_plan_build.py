@@ -253,12 +253,12 @@ def test_a_profile_with_an_empty_opt_shape_stops_the_build(tmp_path):
 def test_every_default_profile_has_a_non_empty_opt(release):
     """Issue 29 item 7: the LLM prefill past length, the incremental estimator's long P and the HiFT
     long cache had opt 0. Every profile TensorRT gets (llm_decode and the incremental estimator too)."""
-    from trt_cosy.models.registry import read_release_config
+    from trt_cosy.models.registry import read_release_config, trt_profiles
     from trt_cosy.runtime.incremental_profiles import incremental_profiles
     from trt_cosy.runtime.profiles import default_profiles, llm_decode_profiles
 
     config = read_release_config(Path(__file__).parent / "data" / release)
-    graphs = default_profiles(config)
+    graphs = trt_profiles(config)
     if config.family != "v1":
         graphs["llm_decode"] = llm_decode_profiles(config)
     if config.family == "v2":

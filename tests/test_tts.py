@@ -73,7 +73,9 @@ def test_engine_config_round_trips_and_rejects_unknown_fields():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"speed": 1.5}, "only 1.0"),
+        ({"speed": 9.0}, "between 0.25 and 4.0"),
+        ({"speed": float("nan")}, "a number between"),
+        ({"speed": 1.5, "stream": True}, "only without stream"),
         ({"max_text_tokens": 0}, "positive integer"),
         ({"normalizer": "ttsfrd"}, "wetext, none"),
         ({"text_frontend": "yes"}, "True, False or None"),

@@ -31,6 +31,7 @@ from .stages.flow import FlowStage
 from .stages.flow_incremental import FlowCache
 from .stages.llm import LLMStage
 from .stages.sampling import RASSampler
+from .stages.speed import stretch_mel
 from .stages.vocoder import VocoderCache, VocoderStage
 from .streaming import OFFICIAL_SCHEDULE, ChunkPlan, HopSchedule, hop_schedule
 from .synthesis import AudioChunk, LLMPrompt, Segment, llm_prompt, request_rngs
@@ -70,6 +71,7 @@ def render_chunk(
     rng: np.random.Generator | np.ndarray,
     token_mel_ratio: int,
     flow_cache: FlowCache | None = None,
+    speed: float = 1.0,
 ) -> tuple[np.ndarray, float, float]:
     """Flow + vocoder for one chunk (official ``token2wav``): (samples [N], flow s, vocoder s).
 
@@ -77,7 +79,8 @@ def render_chunk(
     from ``token_mel_ratio * plan.offset`` on are new and go to the vocoder with the request's cache.
     ``rng`` draws the vocoder's NSF noise (or is that noise, as ``VocoderStage.render`` takes it).
     ``flow_cache`` (the segment's ``FlowStage.new_cache()``): chunk-attention calls compute only the
-    frames after the cached ones, with the same result.
+    frames after the cached ones, with the same result. ``speed`` != 1 (a whole segment, ``plan.final``
+    from offset 0, as officially): the mel is stretched in time before the vocoder (``stretch_mel``).
     """
     if plan.end == 0:  # the LLM stopped at once: nothing to say
         return np.zeros(0, np.float32), 0.0, 0.0
@@ -92,6 +95,8 @@ def render_chunk(
         cache=flow_cache,
     ).mel  # mel: [1, 80, 2 * (end - 3 unless final)]
     mel = mel[:, :, token_mel_ratio * plan.offset :]  # mel: [1, 80, F]
+    if speed != 1.0:
+        mel = stretch_mel(mel, speed)  # mel: [1, 80, int(F / speed)]
     flow_done = time.perf_counter()
     samples = stages.vocoder.render(mel, rng, cache, final=plan.final)[0]  # samples: [N]
     return samples, flow_done - start, time.perf_counter() - flow_done
@@ -124,6 +129,8 @@ class Request:
     """
 
     llm_yield: str = "first"
+    speed: float = 1.0
+    """Speaking rate (``SynthesisConfig.speed``; set on the instance, non-streaming requests only)."""
     render_turns: RenderTurns | None = RENDER_TURNS
     """Renders of concurrent requests take turns (first chunks first); None: they run at once."""
     render_priority: tuple[int, int, int] | None = None
@@ -226,6 +233,7 @@ class Request:
             self.vocoder_rng,
             self.config.token_mel_ratio,
             flow_cache=self._flow_cache,
+            speed=self.speed,
         )
 
     def _new_tokens(self, plan: ChunkPlan) -> int:

@@ -25,6 +25,7 @@ from .models.v3.stages import V3VocoderCache, V3VocoderStage, filter_silent_toke
 from .pipeline import Request
 from .stages.flow import FlowStage
 from .stages.llm import LLMStage
+from .stages.speed import stretch_mel
 from .streaming import ChunkPlan, HopSchedule, hop_schedule
 
 __all__ = ["V1Stages", "V3Stages", "V1Schedule", "V1Request", "V3Request"]
@@ -109,6 +110,7 @@ class V1Request(Request):
             state,
             self.draws,
             finalize=plan.final,
+            speed=self.speed,
         )  # speech: [1, S]
         return speech[0], time.perf_counter() - start, 0.0
 
@@ -151,6 +153,8 @@ class V3Request(Request):
             cache=self._flow_cache,  # incremental chunks where the engines have the graph
         ).mel  # mel: [1, 80, 2 * (end - 3 unless final)]
         mel = mel[:, :, self.config.token_mel_ratio * plan.offset :]  # mel: [1, 80, F]
+        if self.speed != 1.0:
+            mel = stretch_mel(mel, self.speed)  # mel: [1, 80, int(F / speed)]
         flow_done = time.perf_counter()
         samples = self.stages.vocoder.render(mel, state, final=plan.final)[0]  # samples: [N]
         return samples, flow_done - start, time.perf_counter() - flow_done

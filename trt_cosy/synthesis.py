@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from .errors import InputError
+from .stages.speed import check_speed
 
 if TYPE_CHECKING:
     from .frontend.voice import Voice
@@ -115,7 +116,8 @@ class SynthesisConfig:
     """Refuse a text segment with more text tokens than this, >= 1. None: the most the engines
     support for the voice (the flow's fixed noise covers at most 15000 mel frames = 300 s)."""
     speed: float | None = None
-    """Speaking-rate factor. None or 1.0; other values are refused in this version."""
+    """Speaking-rate factor, 0.25-4.0 (None: 1.0), as the official ``speed``: each segment's mel is stretched
+    in time (linear interpolation) before the vocoder, so it works only without ``stream``."""
     text_frontend: bool | None = None
     """Normalise and split the text into sentences (official ``text_frontend``). None: True.
     False synthesises the text exactly as given, in one segment."""
@@ -147,8 +149,12 @@ class SynthesisConfig:
             raise InputError(
                 f"max_text_tokens must be a positive integer or None, got {self.max_text_tokens!r}."
             )
-        if self.speed is not None and self.speed != 1.0:
-            raise InputError(f"speed {self.speed!r} is not supported yet; only 1.0 is. Leave speed unset.")
+        check_speed(self.speed)
+        if self.stream and self.speed is not None and self.speed != 1.0:
+            raise InputError(
+                f"speed {self.speed!r} works only without stream (officially too: the mel of a whole segment is "
+                "stretched); set stream=False, or leave speed at 1.0."
+            )
         if self.text_frontend is not None and not isinstance(self.text_frontend, bool):
             raise InputError(f"text_frontend must be True, False or None, got {self.text_frontend!r}.")
         if self.instruct is not None and (not isinstance(self.instruct, str) or not self.instruct.strip()):

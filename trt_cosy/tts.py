@@ -323,7 +323,7 @@ class CosyVoice:
                 f"stream_schedule {config.stream_schedule!r} is not available for this model "
                 f"({family_named(self.family).title}); use one of {', '.join(schedules)}."
             )
-        return request_class(
+        request = request_class(
             self._stages,
             self.model.config,
             segments,
@@ -334,6 +334,8 @@ class CosyVoice:
             prompt,
             schedule=config.stream_schedule,
         )
+        request.speed = 1.0 if config.speed is None else float(config.speed)
+        return request
 
     def vc_voice_from_wav(self, path: str | Path) -> Voice:
         """The target voice of a voice conversion from a reference recording, as the official

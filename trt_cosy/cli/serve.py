@@ -86,8 +86,18 @@ def ray_serve_options(serve_command):
             max_queue=options["max_queue"], request_timeout_s=options["timeout_s"], replicas=replicas or 1,
             autoscale=_autoscale(autoscale), ray_address=ray_address,
             settings={"max_segment_tokens": options["max_segment_tokens"], "work_admission": options["work_admission"]}
-            | ({"api_key": options["api_key"]} if options.get("api_key") else {}),
+            | ({"api_key": options["api_key"]} if options.get("api_key") else {})
+            | ({"default_voice": options["default_voice"]} if options.get("default_voice") else {})
+            | ({"voice_aliases": _aliases(options.get("voice_aliases", ()))} if options.get("voice_aliases") else {}),
         ), progress=lambda message: click.echo(message, err=True))
+
+    def _aliases(specs: tuple[str, ...]) -> dict[str, str]:
+        from ..server.voice_names import parse_voice_aliases
+
+        try:
+            return parse_voice_aliases(specs)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--voice-alias") from None
 
     for option in reversed((
         click.option("--ray", is_flag=True, help="Serve as a Ray Serve deployment (one engine per replica)."),
@@ -135,12 +145,17 @@ def ray_serve_options(serve_command):
 @click.option("--work-admission/--no-work-admission", default=True, show_default=True,
               help="Refuse at once (503 + Retry-After, or 413) a request that would not finish within "
                    "--timeout given the work already admitted; render admitted requests in order.")
+@click.option("--default-voice", default=None, metavar="NAME",
+              help="Stored voice that OpenAI's voice names (alloy, ash, ... verse) speak in when no voice of "
+                   "that name is stored (clients such as Pipecat send only those).")
+@click.option("--voice-alias", "voice_aliases", multiple=True, metavar="ALIAS=NAME[,...]",
+              help="Speak a requested voice name in a stored voice, e.g. alloy=fox,echo=bob (repeatable).")
 @backend_option()
 @ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
           threads: int | None, workers: int | None, max_concurrent: int, max_queue: int, timeout_s: float,
           api_key: str | None, stream_speech: bool, max_segment_tokens: int, deterministic: bool | None,
-          work_admission: bool, backend: str) -> None:
+          work_admission: bool, default_voice: str | None, voice_aliases: tuple[str, ...], backend: str) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
     from ..errors import require
 
@@ -148,9 +163,14 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
         require(module, "serve")
     from ..cache_dir import cache_root
     from ..server import ServerSettings, run_server
+    from ..server.voice_names import parse_voice_aliases
     from ..synthesis import EngineConfig
     from ..tts import CosyVoice
 
+    try:
+        aliases = parse_voice_aliases(voice_aliases)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--voice-alias") from None
     engines = engines_or_model_dir(engines, model_dir, backend)
     if workers is not None and workers > 1:
         if deterministic is not None:
@@ -168,6 +188,7 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
         voices_dir=voices_dir or cache_root() / "voices" / tts.model_id, host=host, port=port,
         max_concurrent=max_concurrent, max_queue=max_queue, request_timeout_s=timeout_s, api_key=api_key,
         stream_speech=stream_speech, max_segment_tokens=max_segment_tokens, work_admission=work_admission,
+        default_voice=default_voice, voice_aliases=aliases,
     )
     click.echo(f"serving {tts.model_id} on http://{host}:{port} (voices in {settings.voices_dir})", err=True)
     click.echo(f"playground: http://{host}:{port}/" + ("" if api_key is None else " (API key required)"), err=True)

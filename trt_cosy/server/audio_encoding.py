@@ -1,12 +1,15 @@
-"""Response audio: WAV, raw PCM, FLAC, MP3 and Ogg Opus from float32 chunks.
+"""Response audio: WAV, raw PCM, FLAC, MP3, Ogg Opus and AAC from float32 chunks.
 
-WAV and PCM stream as the audio is made (a WAV header of unknown length first, then 16-bit
-samples). FLAC, MP3 and Opus are encoded by libsndfile (through soundfile) once the audio is
-complete; MP3 and Opus only where the installed libsndfile has those encoders.
+WAV and PCM are written here (a WAV header of unknown length first when streaming, then 16-bit
+samples). The compressed formats are encoded chunk by chunk by PyAV where it is installed
+(``streaming_encoders``, the ``codecs`` extra; AAC only then); without it FLAC, MP3 and Opus are
+encoded by libsndfile (through soundfile) once the audio is complete, MP3 and Opus only where the
+installed libsndfile has those encoders.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 import struct
@@ -17,18 +20,17 @@ import numpy as np
 from .errors import APIError
 
 __all__ = [
-    "STREAMING_FORMATS",
     "available_formats",
     "check_format",
     "content_type",
     "encode_audio",
     "pcm16",
+    "pyav_available",
     "wav_header",
 ]
 
 _LOGGER = logging.getLogger(__name__)
 
-STREAMING_FORMATS: Final = ("wav", "pcm")
 _PCM_SCALE: Final = 32767.0
 _UNKNOWN_SIZE: Final = 0xFFFFFFFF  # RIFF/data sizes of a stream whose length is not known yet
 _CONTENT_TYPES: Final = {
@@ -37,6 +39,7 @@ _CONTENT_TYPES: Final = {
     "flac": "audio/flac",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
+    "aac": "audio/aac",
 }
 # response_format -> (libsndfile major format, subtype)
 _SNDFILE: Final = {
@@ -46,24 +49,35 @@ _SNDFILE: Final = {
 }
 
 
+def pyav_available() -> bool:
+    """Whether PyAV (the ``codecs`` extra) is importable."""
+    return importlib.util.find_spec("av") is not None
+
+
 def available_formats() -> tuple[str, ...]:
-    """The response formats this installation can encode (wav and pcm always)."""
+    """The response formats this installation can encode (wav and pcm always; all six with PyAV)."""
     import soundfile
 
+    with_pyav = pyav_available()
     majors = soundfile.available_formats()
     names = ["wav", "pcm"]
     for name, (major, subtype) in _SNDFILE.items():
-        if major in majors and subtype in soundfile.available_subtypes(major):
+        if with_pyav or (major in majors and subtype in soundfile.available_subtypes(major)):
             names.append(name)
+    if with_pyav:
+        names.append("aac")
     return tuple(names)
 
 
 def check_format(name: str, formats: tuple[str, ...]) -> str:
     """``name`` if it can be served, else a 400 listing what can."""
     if name not in formats:
+        hint = ""
+        if name in _CONTENT_TYPES:  # a known format this installation lacks the encoder of
+            hint = " (PyAV encodes flac, mp3, opus and aac: pip install 'trt-cosy[codecs]')"
         raise APIError(
             400,
-            f"response_format {name!r} is not supported here; use one of {', '.join(formats)}.",
+            f"response_format {name!r} is not supported here; use one of {', '.join(formats)}{hint}.",
             "unsupported_format",
             "response_format",
         )

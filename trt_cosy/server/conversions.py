@@ -22,11 +22,13 @@ from fastapi.responses import Response
 
 from ..errors import InputError
 from ..synthesis import SynthesisConfig
-from .audio_encoding import STREAMING_FORMATS, check_format, content_type, encode_audio
+from .audio_encoding import check_format, content_type
+from .audio_stream import audio_stream
 from .errors import APIError
-from .jobs import SynthesisJob, cancel_on_disconnect, collect, stream_body
+from .jobs import SynthesisJob, cancel_on_disconnect, collect
 from .speech import SynthesisResponse
 from .state import ServerState
+from .streaming_encoders import encode_file, open_encoder, streams_incrementally
 from .voices_api import _audio_seconds, _save_upload, _StrictFormRoute
 
 __all__ = ["CONVERSIONS_PATH", "conversions_router"]
@@ -54,7 +56,7 @@ def conversions_router(state: ServerState) -> APIRouter:
         settings = state.settings
         check_format(response_format, state.formats)
         target = state.store.get(voice).voice
-        streaming = stream and response_format in STREAMING_FORMATS
+        streaming = stream and streams_incrementally(response_format)
         staging = await anyio.to_thread.run_sync(state.store.staging_dir, "conversion")
         try:
             path = await _save_upload(file, settings.max_upload_bytes, staging)
@@ -97,9 +99,13 @@ def conversions_router(state: ServerState) -> APIRouter:
         headers = {"X-Sample-Rate": str(first.sample_rate)}
         media_type = content_type(response_format)
         if streaming:
-            body = stream_body(job, first, response_format, first.sample_rate)
-            return SynthesisResponse(job, body, media_type=media_type, headers=headers)
-        data = await anyio.to_thread.run_sync(encode_audio, samples, first.sample_rate, response_format)
+            try:
+                encoder = open_encoder(response_format, first.sample_rate)
+            except BaseException:
+                job.close("error")
+                raise
+            return SynthesisResponse(job, audio_stream(job, first, encoder), media_type=media_type, headers=headers)
+        data = await anyio.to_thread.run_sync(encode_file, samples, first.sample_rate, response_format)
         return Response(data, media_type=media_type, headers=headers)
 
     return router

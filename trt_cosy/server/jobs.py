@@ -12,19 +12,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import anyio
 import numpy as np
 
 from ..synthesis import AudioChunk
-from .audio_encoding import pcm16, wav_header
 from .errors import APIError
 from .limits import Slot
 from .metrics import Metrics
 from .work_admission import WorkTicket
 
-__all__ = ["SynthesisJob", "stream_body", "collect", "cancel_on_disconnect"]
+__all__ = ["SynthesisJob", "collect", "cancel_on_disconnect"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -206,28 +205,3 @@ async def collect(job: SynthesisJob, first: AudioChunk) -> np.ndarray | None:
     if job.cancelled:
         return None
     return np.concatenate(pieces)  # [N]
-
-
-async def stream_body(
-    job: SynthesisJob, first: AudioChunk, response_format: str, sample_rate: int
-) -> AsyncIterator[bytes]:
-    """WAV (header of unknown length first) or raw PCM bytes, each chunk sent as soon as it exists.
-
-    The status line has gone out already, so a failure here ends the stream early (logged and counted).
-    """
-    if response_format == "wav":
-        yield wav_header(sample_rate)
-    chunk: AudioChunk | None = first
-    try:
-        while chunk is not None:
-            yield pcm16(chunk.samples)
-            try:
-                chunk = await job.next()
-            except APIError as exc:
-                _LOGGER.warning("stream ended early: %s", exc.message)
-                return
-            except Exception:
-                _LOGGER.exception("synthesis failed in the middle of a stream; the stream ends here")
-                return
-    finally:
-        job.close("disconnect")  # a no-op when it completed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -28,6 +29,8 @@ class ServerSettings:
     """The id listed by ``GET /v1/models``. Requests may name any model: one is served."""
     max_input_chars: int = 4096
     """Longest ``input`` text accepted, in characters (OpenAI's limit)."""
+    max_instructions_chars: int = 1000
+    """Longest ``instructions`` text accepted, in characters (it joins the LLM's prompt of every segment)."""
     max_segment_tokens: int = 200
     """Most text tokens in one segment (a sentence, or short sentences merged the official way); a longer
     one is refused with 400. One segment is rendered at once, and the flow encoder's memory grows with the
@@ -63,12 +66,25 @@ class ServerSettings:
     """Each read of an unfinished request body must return within this many seconds; else 408."""
     warmup: bool = True
     """Synthesise once at start; ``/health`` says ready only after it."""
+    default_voice: str | None = None
+    """The stored voice that OpenAI's built-in voice names (alloy, ash, ... verse: ``voice_names.OPENAI_VOICES``)
+    speak in when no voice of that name is stored, for clients that only send those (Pipecat). None: a 404."""
+    voice_aliases: Mapping[str, str] = field(default_factory=dict)
+    """Requested voice name -> stored voice name (``{"alloy": "fox"}``), used when no voice of the requested
+    name is stored; before ``default_voice``."""
     api_key: str | None = field(default=None, repr=False)
     """When set, every route but ``/health`` and the playground page needs ``Authorization: Bearer <api_key>``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voices_dir", Path(self.voices_dir))
-        positive = ("max_input_chars", "max_segment_tokens", "max_concurrent", "max_upload_bytes", "max_json_bytes")
+        positive = (
+            "max_input_chars",
+            "max_instructions_chars",
+            "max_segment_tokens",
+            "max_concurrent",
+            "max_upload_bytes",
+            "max_json_bytes",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -88,6 +104,13 @@ class ServerSettings:
                 "api_key must be a non-empty string of printable ASCII without spaces (it travels in an "
                 "HTTP header); generate one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
+        aliases = dict(self.voice_aliases or {})
+        for alias, target in aliases.items():
+            if not (isinstance(alias, str) and alias and isinstance(target, str) and target):
+                raise InputError(f"voice_aliases must map names to stored voice names, got {alias!r}: {target!r}.")
+        object.__setattr__(self, "voice_aliases", aliases)
+        if self.default_voice is not None and not (isinstance(self.default_voice, str) and self.default_voice):
+            raise InputError(f"default_voice must be a stored voice name or None, got {self.default_voice!r}.")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InputError(f"port must be 0-65535, got {self.port!r}.")
 

@@ -14,10 +14,13 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..synthesis import SynthesisConfig
-from .audio_encoding import STREAMING_FORMATS, check_format, content_type, encode_audio
+from .audio_encoding import check_format, content_type
+from .audio_stream import SSE_HEADERS, audio_stream, sse_stream
 from .errors import APIError
-from .jobs import SynthesisJob, cancel_on_disconnect, collect, stream_body
+from .jobs import SynthesisJob, cancel_on_disconnect, collect
 from .state import ServerState
+from .streaming_encoders import encode_file, open_encoder, streams_incrementally
+from .voice_names import resolve_voice
 
 __all__ = ["SpeechRequest", "SimpleTTSRequest", "speech_router"]
 
@@ -56,6 +59,8 @@ class SimpleTTSRequest(_Strict):
     format: str = "wav"
     stream: bool = False
     seed: int | None = Field(default=None, ge=0)
+    speed: float = 1.0
+    instructions: str | None = None
 
 
 class SynthesisResponse(StreamingResponse):
@@ -72,16 +77,27 @@ class SynthesisResponse(StreamingResponse):
             self.job.close("disconnect")  # a no-op when the synthesis completed
 
 
-def _synthesis_config(speed: float, stream: bool, max_segment_tokens: int) -> SynthesisConfig:
+def _synthesis_config(
+    speed: float, stream: bool, max_segment_tokens: int, instructions: str | None = None
+) -> SynthesisConfig:
     if not math.isfinite(speed) or not 0.25 <= speed <= 4.0:
         raise APIError(400, f"speed must be between 0.25 and 4.0, got {speed!r}.", "invalid_speed", "speed")
+    instruct = instructions if instructions and instructions.strip() else None
     if speed != 1.0:
         # Only what the engine supports: SynthesisConfig refuses other speeds with a message.
         try:
-            return SynthesisConfig(speed=speed, max_text_tokens=max_segment_tokens)
+            return SynthesisConfig(speed=speed, max_text_tokens=max_segment_tokens, instruct=instruct)
         except Exception as exc:
             raise APIError(400, str(exc), "unsupported_speed", "speed") from None
-    return SynthesisConfig(stream=stream and _ENGINE_STREAMS, max_text_tokens=max_segment_tokens)
+    return SynthesisConfig(
+        stream=stream and _ENGINE_STREAMS, max_text_tokens=max_segment_tokens, instruct=instruct
+    )
+
+
+def _input_tokens(tts: object, text: str) -> int:
+    """Text tokens of ``text`` (the SSE usage); 0 for an engine without a tokenizer."""
+    tokenizer = getattr(tts, "tokenizer", None)
+    return int(tokenizer.count_tokens(text)) if tokenizer is not None else 0
 
 
 async def _synthesize(
@@ -93,6 +109,8 @@ async def _synthesize(
     stream: bool,
     seed: int | None,
     speed: float = 1.0,
+    instructions: str | None = None,
+    sse: bool = False,
 ) -> Response:
     received_at = time.perf_counter()
     state.require_ready()
@@ -106,9 +124,29 @@ async def _synthesize(
             "input_too_long",
             "input",
         )
-    voice = state.store.get(voice_name).voice
-    streaming = stream and response_format in STREAMING_FORMATS
-    config = _synthesis_config(speed, streaming, settings.max_segment_tokens)
+    if instructions is not None and len(instructions) > settings.max_instructions_chars:
+        raise APIError(
+            400,
+            f"instructions are {len(instructions)} characters; at most {settings.max_instructions_chars} are "
+            "accepted. Say how to speak in a sentence or two.",
+            "instructions_too_long",
+            "instructions",
+        )
+    if instructions and instructions.strip() and getattr(state.tts, "family", "") == "v1":
+        raise APIError(
+            400,
+            "instructions need a CosyVoice2 or CosyVoice3 model: CosyVoice 1's instruct mode "
+            "(CosyVoice-300M-Instruct) speaks only in its preset speakers, which this server does not "
+            "serve. Leave instructions out.",
+            "unsupported_param",
+            "instructions",
+        )
+    voice = resolve_voice(state.store, settings, voice_name).voice
+    # Encoded as the audio is made: wav and pcm always, the compressed formats with PyAV. Events
+    # (sse) are a stream in any case; their deltas carry whatever the encoder has ready.
+    incremental = streams_incrementally(response_format)
+    streaming = sse or (stream and incremental)
+    config = _synthesis_config(speed, stream and incremental, settings.max_segment_tokens, instructions)
     # Checks the text (normalises and tokenises it) at once; InputError becomes a 400. Lazy after that.
     chunks = await anyio.to_thread.run_sync(lambda: state.tts.synthesize(text, voice, seed, config))
     try:
@@ -141,11 +179,19 @@ async def _synthesize(
     headers = {"X-Sample-Rate": str(sample_rate)}
     media_type = content_type(response_format)
     if streaming:
-        body = stream_body(job, first, response_format, sample_rate)
-        return SynthesisResponse(job, body, media_type=media_type, headers=headers)
+        try:
+            encoder = open_encoder(response_format, sample_rate)
+        except BaseException:
+            job.close("error")
+            raise
+        if sse:
+            body = sse_stream(job, first, encoder, _input_tokens(state.tts, text))
+            headers.update(SSE_HEADERS)
+            return SynthesisResponse(job, body, media_type="text/event-stream", headers=headers)
+        return SynthesisResponse(job, audio_stream(job, first, encoder), media_type=media_type, headers=headers)
     if samples is None:
         raise APIError(499, "the client closed the request.", "client_closed")
-    data = await anyio.to_thread.run_sync(encode_audio, samples, sample_rate, response_format)
+    data = await anyio.to_thread.run_sync(encode_file, samples, sample_rate, response_format)
     return Response(data, media_type=media_type, headers=headers)
 
 
@@ -155,31 +201,40 @@ def speech_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/audio/speech")
     async def create_speech(body: SpeechRequest, request: Request) -> Response:
-        """OpenAI-compatible speech: wav/pcm stream as they are made (as OpenAI's do) unless ``stream`` is false."""
-        if body.stream_format == "sse":
-            raise APIError(
-                400, "stream_format 'sse' is not supported; use 'audio'.", "unsupported_stream_format"
-            )
-        if body.instructions:
-            raise APIError(
-                400,
-                "instructions are not supported by this server; leave them out.",
-                "unsupported_param",
-                "instructions",
-            )
+        """OpenAI-compatible speech: every format streams as it is made (as OpenAI's do) unless ``stream`` is
+        false; ``stream_format: "sse"`` sends OpenAI's events (base64 deltas, then done with usage)."""
         voice = body.voice if isinstance(body.voice, str) else body.voice.id
         if body.stream is not None:
             stream = body.stream
         else:
-            stream = body.stream_format == "audio" or state.settings.stream_speech
+            stream = body.stream_format is not None or state.settings.stream_speech
         response_format = body.response_format or default_format
         return await _synthesize(
-            state, request, body.input, voice, response_format, stream, body.seed, body.speed
+            state,
+            request,
+            body.input,
+            voice,
+            response_format,
+            stream,
+            body.seed,
+            body.speed,
+            body.instructions,
+            sse=body.stream_format == "sse",
         )
 
     @router.post("/tts")
     async def simple_tts(body: SimpleTTSRequest, request: Request) -> Response:
         """Speak ``text`` in the stored ``voice`` as ``format`` (wav by default)."""
-        return await _synthesize(state, request, body.text, body.voice, body.format, body.stream, body.seed)
+        return await _synthesize(
+            state,
+            request,
+            body.text,
+            body.voice,
+            body.format,
+            body.stream,
+            body.seed,
+            body.speed,
+            body.instructions,
+        )
 
     return router

@@ -33,6 +33,7 @@ INPUTS: Final = (
     ("stream", "TYPE_BOOL", "[ 1 ]", True),
     ("source_audio", "TYPE_FP32", "[ -1 ]", True),
     ("source_sample_rate", "TYPE_INT32", "[ 1 ]", True),
+    ("instructions", "TYPE_STRING", "[ 1 ]", True),
 )
 OUTPUTS: Final = (("audio", "TYPE_FP32", "[ -1 ]"), ("sample_rate", "TYPE_INT32", "[ 1 ]"))
 DEVICES: Final = ("auto", "cpu", "gpu")

@@ -27,8 +27,9 @@ _LOGGER = logging.getLogger(__name__)
 DEFAULT_MAX_TEXT_CHARS: Final = 4096
 INPUT_NAMES: Final = (
     "text", "voice", "reference_audio", "reference_sample_rate", "reference_text", "seed", "stream",
-    "source_audio", "source_sample_rate",
+    "source_audio", "source_sample_rate", "instructions",
 )
+MAX_INSTRUCTIONS_CHARS: Final = 1000
 _REFERENCE_NAME: Final = "reference_audio"
 _SOURCE_NAME: Final = "source_audio"  # voice conversion: speech to say again in the voice, instead of text
 
@@ -49,6 +50,8 @@ class SpeechInputs:
     source_audio: np.ndarray | None = None
     """Voice conversion (instead of ``text``, which is then ""): float32 [N], mono, in [-1, 1]."""
     source_sample_rate: int | None = None
+    instructions: str | None = None
+    """How to speak (the model's instruct mode, CosyVoice2/3); None or empty: none."""
 
 
 def _one(inputs: Mapping[str, np.ndarray], name: str) -> Any:
@@ -115,7 +118,14 @@ def parse_inputs(inputs: Mapping[str, np.ndarray], max_text_chars: int = DEFAULT
         raise InputError(f"seed must be a non-negative integer, got {seed}.")
     stream = bool(_one(inputs, "stream")) if "stream" in inputs else False
     voice = _string(inputs, "voice") if has_voice else None
-    return SpeechInputs(text, voice, reference, rate, reference_text, seed, stream, source, source_rate)
+    instructions = _string(inputs, "instructions").strip() if "instructions" in inputs else ""
+    if len(instructions) > MAX_INSTRUCTIONS_CHARS:
+        raise InputError(
+            f"instructions are {len(instructions)} characters; at most {MAX_INSTRUCTIONS_CHARS} are accepted."
+        )
+    return SpeechInputs(
+        text, voice, reference, rate, reference_text, seed, stream, source, source_rate, instructions or None
+    )
 
 
 def _audio(inputs: Mapping[str, np.ndarray], name: str, rate_name: str) -> tuple[np.ndarray, int]:
@@ -155,7 +165,7 @@ class TritonSpeech:
         """
         request = parse_inputs(inputs, self.max_text_chars)
         voice = self._voice(request)
-        config = SynthesisConfig(stream=request.stream)
+        config = SynthesisConfig(stream=request.stream, instruct=request.instructions)
         if request.source_audio is not None:  # voice conversion (official inference_vc)
             source = (request.source_audio, request.source_sample_rate)
             chunks = self.tts.convert(source, voice, request.seed, config)

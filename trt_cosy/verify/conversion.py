@@ -78,17 +78,19 @@ def run_conversion(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str
             stages, model.config, segments, target, 0, stream, tokens.size, LLMPrompt(empty, empty)
         )
         request.attach_source(lambda index, tokens=tokens: tokens, 1)
-        _inject_draws(request, family.name, golden, run)
+        _inject_draws(request, family, golden, run)
         chunks = list(request.chunks())
         ours[f"{CONVERSION_PREFIX}{run}_wav"] = np.concatenate([chunk.samples for chunk in chunks])[None]
     return ours
 
 
-def _inject_draws(request: Any, family: str, golden: GoldenSet, run: str) -> None:
-    """The official random draws of the run (CosyVoice3's noise is fixed, in the engines)."""
-    if family == "v1":
+def _inject_draws(request: Any, family: Any, golden: GoldenSet, run: str) -> None:
+    """The official random draws of the run: a family that draws fresh CFM noise per call (CosyVoice 1)
+    replays the flow's and HiFT's draws; one with the fixed CFM noise but fresh HiFT noise (CosyVoice2)
+    replays HiFT's sine noise; CosyVoice3's noise is all fixed, in the engines."""
+    if not family.fixed_flow_noise:
         request.draws = _ReplayV1Draws(golden, run)
-    elif family == "v2":
+    elif not family.fixed_hift_noise:
         render, chunk = request._render, iter(range(1000))
 
         def render_with_official_noise(tokens, plan, state):

@@ -21,6 +21,7 @@ from ...errors import InputError, ModelDirError
 from ...runtime.base import Runner
 from ...stages.flow import solve_euler
 from ...stages.sampling import Sampler, log_softmax
+from ...stages.speed import stretch_mel
 from ...stages.vocoder import fade_in_out
 from .config import V1FlowConfig, V1LLMConfig, V1ModelConfig
 
@@ -383,8 +384,10 @@ class V1Synthesizer:
         state: V1StreamState,
         draws: V1Draws,
         finalize: bool,
+        speed: float = 1.0,
     ) -> np.ndarray:
-        """One chunk of waveform [1, S] float32; ``state`` is read and updated in place."""
+        """One chunk of waveform [1, S] float32; ``state`` is read and updated in place. ``speed`` != 1
+        (a whole segment, non-streaming): the mel is stretched in time before HiFT, as officially."""
         stream = self.config.stream
         out = self.flow.token2mel(tokens, prompt_tokens, prompt_feat, embedding, state.flow_cache, draws)
         state.flow_cache = out.cache
@@ -398,6 +401,8 @@ class V1Synthesizer:
         if not finalize:
             state.mel_overlap = mel[:, :, -stream.mel_overlap_len :]
             mel = mel[:, :, : -stream.mel_overlap_len]
+        elif speed != 1.0:
+            mel = stretch_mel(mel, speed)  # [1, 80, int(F / speed)]
         speech, source = self._vocode(mel, cache_source, draws)  # [1, S], [1, 1, S]
         if has_cache:
             speech = fade_in_out(speech, state.hift_speech, self.speech_window)
