@@ -10,8 +10,6 @@ No GPU, no TensorRT: the engines compute in numpy on host memory standing in for
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from trt_fakes import FAKE_TRT, CountingCuda, FakeEngine, host_array

@@ -255,7 +255,7 @@ def test_every_default_profile_has_a_non_empty_opt(release):
     long cache had opt 0. Every profile TensorRT gets (llm_decode and the incremental estimator too)."""
     from trt_cosy.models.registry import read_release_config, trt_profiles
     from trt_cosy.runtime.incremental_profiles import incremental_profiles
-    from trt_cosy.runtime.profiles import default_profiles, llm_decode_profiles
+    from trt_cosy.runtime.profiles import llm_decode_profiles
 
     config = read_release_config(Path(__file__).parent / "data" / release)
     graphs = trt_profiles(config)
