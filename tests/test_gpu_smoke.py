@@ -39,7 +39,7 @@ def test_cpu_only_runs_the_cpu_steps_and_goes_on_after_a_failure(tmp_path):
     assert [line.split()[:2] for line in lines[:-1]] == [
         ["PASS", "versions"], ["FAIL", "prepared"], ["PASS", "fakes"], *[["SKIP", s] for s in STEPS[3:]]
     ], lines  # fmt: skip
-    assert "tensorrt.json" in lines[1] and "trt-cosy" in lines[0]
+    assert "does not exist" in lines[1] and "trt-cosy build" in lines[1] and "trt-cosy" in lines[0]
     assert lines[-1] == "SUMMARY 2 passed, 1 failed, 6 skipped"
 
 
