@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 DATA = Path(__file__).parent / "data"
+
+
+def pytest_configure(config):
+    """Ctrl-C reaches the suite and the programs its tests start, however the suite was launched: a shell
+    that starts a job in the background without job control (``cmd &`` in a script, some CI runners) starts
+    it with SIGINT ignored, which every child inherits, so the tests that interrupt ``trt-cosy say`` /
+    ``convert`` with SIGINT would wait for an exit that never comes."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 V2_TINY = DATA / "cosyvoice2-tiny"
 
 
