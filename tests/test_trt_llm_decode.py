@@ -411,7 +411,7 @@ def test_plan_build_adds_the_batch_as_profile_data(tmp_path, v2_tiny_dir):
     added once per slot, each with the batch B 1/4/8 on every batched input and the window P bucketed."""
     from test_trt_plan_build import fake_tensorrt
 
-    from trt_cosy.builder import tensorrt as trt_build
+    from trt_cosy.builder.trt import plans as trt_build
     from trt_cosy.models.registry import read_release_config
 
     config = read_release_config(v2_tiny_dir)
