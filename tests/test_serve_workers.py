@@ -112,13 +112,16 @@ def test_two_workers_are_pinned_apart_and_take_connections_in_turn(workers_url):
     url, parent = workers_url
     port = int(url.rsplit(":", 1)[1])
     # A worker that holds a connection which has sent nothing yet takes no more: the second open
-    # connection goes to the other worker, whichever took the first.
-    first = socket.create_connection(("127.0.0.1", port), timeout=60)
-    second = socket.create_connection(("127.0.0.1", port), timeout=60)
+    # connection goes to the other worker, whichever took the first. The first sends its request only
+    # after the second is answered: answered at once, it would free its worker, which on a loaded machine
+    # could then take the second before the other worker is scheduled at all.
+    first = socket.create_connection(("127.0.0.1", port), timeout=120)
+    second = socket.create_connection(("127.0.0.1", port), timeout=120)
     try:
-        _send_health(first)
         _send_health(second)
-        names = {_worker_of(first), _worker_of(second)}
+        second_worker = _worker_of(second)
+        _send_health(first)
+        names = {_worker_of(first), second_worker}
     finally:
         first.close()
         second.close()
