@@ -1,4 +1,4 @@
-"""Admission by expected work (``trt_cosy.serving.admission``), pure: fake clocks and speeds."""
+"""Admission by expected work (``trt_cosy.server.admission``), pure: fake clocks and speeds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trt_cosy.serving.admission import (
+from trt_cosy.server.admission import (
     AdmittedJob,
     Refusal,
     SpeedModel,

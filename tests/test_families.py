@@ -21,8 +21,9 @@ from trt_cosy import CosyVoice, EngineConfig, InputError, SynthesisConfig, Voice
 from trt_cosy.config import QWEN_DIR
 from trt_cosy.frontend.text import TextNormalizer
 from trt_cosy.models.registry import read_release_config
+from trt_cosy.models.v1.request import V1Request, V1Schedule
 from trt_cosy.models.v1.stages import stream_token_chunks
-from trt_cosy.pipeline_families import V1Request, V1Schedule, V3Request
+from trt_cosy.models.v3.request import V3Request
 from trt_cosy.runtime.manifest import hash_checkpoint, model_config_from_dict
 from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.stages.llm import LLMStage

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig
 from trt_cosy.cli import main
+from trt_cosy.models.v1.request import V1Request
 from trt_cosy.pipeline import Request
-from trt_cosy.pipeline_families import V1Request
 from trt_cosy.streaming import HopSchedule
 
 pytestmark = pytest.mark.slow

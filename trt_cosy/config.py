@@ -147,6 +147,19 @@ class EstimatorConfig:
     num_heads: int
     static_chunk_size: int = 50
 
+    def cache_layout(self) -> tuple[int, int, int]:
+        """The incremental estimator's cache: (transformer blocks L, width D, summed causal-convolution
+        input channels C) of the U-Net."""
+        width = self.channels[0]
+        blocks = self.n_blocks * (self.num_mid_blocks + 2)
+        # down: block1 (in_channels), block2, conv; mid: 2 each; up: block1 (2W), block2, conv; final block.
+        channels = self.in_channels + 2 * width + 2 * width * self.num_mid_blocks + 2 * width + 3 * width
+        return blocks, width, channels
+
+    def cache_tail(self) -> int:
+        """Input frames each causal convolution needs from before a chunk: kernel 3 - 1."""
+        return 2
+
 
 @dataclass(frozen=True)
 class CFMConfig:
@@ -285,13 +298,33 @@ def hift_fields(hift: Tagged, f0: Tagged, default_rate: int) -> dict[str, Any]:
     )
 
 
-def mel_config_from_yaml(doc: dict[str, Any]) -> MelConfig:
-    """``feat_extractor`` partial; the release defaults when the key is absent (trimmed yamls)."""
+def estimator_config(node: Tagged, static_chunk_size: int | None = None) -> EstimatorConfig:
+    """The U-Net estimator (``ConditionalDecoder`` / ``CausalConditionalDecoder``) of a yaml node;
+    ``static_chunk_size`` overrides the node's (CosyVoice 1's is not causal: 0)."""
+    chunk = int(node.get("static_chunk_size", 50)) if static_chunk_size is None else static_chunk_size
+    return EstimatorConfig(
+        in_channels=int(node["in_channels"]),
+        out_channels=int(node["out_channels"]),
+        channels=tuple(int(c) for c in node["channels"]),
+        attention_head_dim=int(node["attention_head_dim"]),
+        n_blocks=int(node["n_blocks"]),
+        num_mid_blocks=int(node["num_mid_blocks"]),
+        num_heads=int(node["num_heads"]),
+        static_chunk_size=chunk,
+    )
+
+
+def mel_config_from_yaml(
+    doc: dict[str, Any], release: MelConfig | None = None, family: str = "CosyVoice2"
+) -> MelConfig:
+    """``feat_extractor`` partial; ``release`` (the CosyVoice2 release's settings by default) where the key
+    is absent (trimmed yamls), and its ``fmax`` where the partial leaves it out."""
+    release = release or MelConfig()
     node = doc.get("feat_extractor")
     if not isinstance(node, Tagged):
-        _LOGGER.debug("yaml has no feat_extractor; using the CosyVoice2 release mel settings")
-        return MelConfig()
-    fmax = node.get("fmax", 8000)
+        _LOGGER.debug("yaml has no feat_extractor; using the %s release mel settings", family)
+        return release
+    fmax = node.get("fmax", release.fmax)
     return MelConfig(
         n_fft=int(node.get("n_fft", 1920)),
         num_mels=int(node.get("num_mels", 80)),

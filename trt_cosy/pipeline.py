@@ -105,7 +105,7 @@ def render_chunk(
 class Request:
     """One synthesis request: every piece of per-request state, and its generator of chunks.
 
-    This is the CosyVoice2 request; the other families (``trt_cosy.pipeline_families``) override
+    This is the CosyVoice2 request; the other families (``trt_cosy.models.v1.request``, ``models.v3.request``) override
     the hooks ``_decode`` (speech tokens of a segment), ``_schedule`` (where chunks fall),
     ``_new_state`` (per-segment vocoder state), ``_render`` (flow + vocoder of one chunk) and
     ``_new_tokens`` (tokens a chunk speaks).
@@ -135,7 +135,7 @@ class Request:
     """Renders of concurrent requests take turns (first chunks first); None: they run at once."""
     render_priority: tuple[int, int, int] | None = None
     """This request's place in the render turns (``RenderTurns.turn``), from a server's admission
-    (``serving.admission.render_priority``); None: each render in its arrival order (requests share
+    (``server.admission.render_priority``); None: each render in its arrival order (requests share
     the turns)."""
 
     def __init__(

@@ -12,9 +12,10 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..models.family import Family
+from ..config import QWEN_DIR
 from ..runtime.model import LoadedModel
 from .export import ExportResult, GraphPlan, Progress
+from .tokenizer_copy import copy_qwen_tokenizer
 
 __all__ = ["BuildFamily"]
 
@@ -22,7 +23,7 @@ __all__ = ["BuildFamily"]
 class BuildFamily(ABC):
     """The build steps of one family; ``family`` is its inference-side ``Family``."""
 
-    family: ClassVar[Family]
+    family: ClassVar[Any]  # its ``models.family.Family`` (``family_lookup.FAMILIES[name]``)
 
     @abstractmethod
     def load_torch_model(
@@ -41,6 +42,15 @@ class BuildFamily(ABC):
     @abstractmethod
     def export(self, model: LoadedModel, out_dir: Path, progress: Progress | None = None) -> dict[str, ExportResult]:
         """Export every graph of the family to ``out_dir/<graph>.onnx`` with the parity checks."""
+
+    def incremental_estimator_graph(self, model: LoadedModel) -> tuple[Any, Any, GraphPlan] | None:
+        """(graph contract, torch module, export plan) of the family's incremental streaming estimator
+        (``Family.incremental_estimator``), or None where it has none."""
+        return None
+
+    def copy_text_tokenizer(self, model_dir: Path, tokenizer_dir: Path) -> None:
+        """Copy the release's text tokenizer into the engines' ``tokenizer_dir`` (Qwen2's by default)."""
+        copy_qwen_tokenizer(Path(model_dir) / QWEN_DIR, tokenizer_dir)
 
     def write_extra_data(self, model: LoadedModel, model_dir: Path, staging: Path) -> None:
         """Host data only this family's engines carry (beyond the tables and fixed noise); none by default."""

@@ -34,9 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from ..config import QWEN_DIR, ModelConfig
+from ..config import ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
-from ..models.registry import family_named
+from ..family_lookup import family_named
 from ..runtime.engines import MODEL_CONFIG_NAME, TOKENIZER_DIR
 from ..runtime.llm_decode import LLM_DECODE_NAME
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, hash_checkpoint
@@ -45,7 +45,6 @@ from ..version import __version__
 from .export import OPSET, ExportResult, graph_record
 from .family_engines import (
     check_family_options,
-    copy_v1_tokenizer,
     export_family,
     export_plan,
     frontend_files,
@@ -59,6 +58,7 @@ from .progress import emitter
 from .quantize.engines import QUANTIZED_PRECISIONS, nbits_blocks, quantize_engines
 from .quantize.estimator_int8 import quantize_estimators
 from .quantize.vocoder_int8 import quantize_vocoders
+from .registry import build_family_of
 
 __all__ = ["build_engines", "BACKENDS", "PRECISIONS"]
 
@@ -69,8 +69,6 @@ PRECISIONS: Final = ("fp32", *QUANTIZED_PRECISIONS)
 # TensorRT builds strongly typed plans from fp16 (or fp32) ONNX graphs; quantised CPU graphs do not apply.
 TRT_PRECISIONS: Final = ("fp16", "fp32")
 _PLANS_DIR: Final = "plans"
-_TOKENIZER_FILES: Final = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
-_REQUIRED_TOKENIZER_FILES: Final = ("vocab.json", "merges.txt")
 _DIR_MODE: Final = 0o755
 
 Progress = Callable[[str], None]
@@ -265,10 +263,7 @@ def _write_engines(
             quantize_engines(staging, precision, family, progress=emit)
         batch_graph = write_batched_llm(staging)  # continuous batching (stages.llm_batch), v2/v3
     _write_model_config(config, staging / MODEL_CONFIG_NAME)
-    if family_named(config.family).qwen_llm:
-        _copy_tokenizer(model_dir / QWEN_DIR, staging / TOKENIZER_DIR)
-    else:  # CosyVoice 1: whisper's multilingual.tiktoken
-        copy_v1_tokenizer(model_dir, staging / TOKENIZER_DIR)
+    build_family_of(config).copy_text_tokenizer(model_dir, staging / TOKENIZER_DIR)
     _link_frontend_models(model_dir, staging, frontend_files(family))
     compile_check = None
     if backend in ("openvino", "mixed"):  # each IR compiled in a child: a native crash falls back, recorded
@@ -306,22 +301,6 @@ def _plan_feeds(config: ModelConfig, name: str) -> list[dict]:
 
 def _write_model_config(config: ModelConfig, path: Path) -> None:
     path.write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
-
-
-def _copy_tokenizer(source: Path, target: Path) -> None:
-    present = [name for name in _TOKENIZER_FILES if (source / name).is_file()]
-    if present:
-        target.mkdir()
-    for name in present:
-        shutil.copy2(source / name, target / name)
-    missing = [name for name in _REQUIRED_TOKENIZER_FILES if name not in present]
-    if missing:
-        _LOGGER.warning(
-            "%s has no %s: the engines carry no text tokenizer; synthesis will need the release's %s/",
-            source,
-            " or ".join(missing),
-            QWEN_DIR,
-        )
 
 
 def _link_frontend_models(model_dir: Path, staging: Path, names: tuple[str, ...]) -> None:

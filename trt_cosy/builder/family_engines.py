@@ -4,12 +4,12 @@
 to the release's ``BuildFamily`` (``builder/models/<name>/family.py``) and ``Family``:
 
 * ``load_model_for_build``: the torch reference model; for CosyVoice3 with the fixed HiFT noise cut
-  to the longest synthesis the engines allow (``hift_noise_seconds``).
+  to the longest synthesis the engines allow (``models/v3/export/family.hift_noise_seconds``).
 * ``export_family``: the graph set of the family (``Family.graphs``), each exported and checked
   against torch on ONNX Runtime.
 * ``write_model_data``: the LLM lookup tables, the fixed CFM noise (v2/v3), the fixed HiFT noise
   (v3) and the preset speakers of ``spk2info.pt`` (v1 -SFT/-Instruct).
-* ``copy_v1_tokenizer`` / ``frontend_files``: the text tokenizer and frontend models to carry.
+* ``frontend_files``: the frontend models to carry (the text tokenizer: ``BuildFamily.copy_text_tokenizer``).
 
 CosyVoice 1 has no fixed CFM noise (fresh noise per call), so it writes no ``flow_noise.npy``.
 """
@@ -17,18 +17,13 @@ CosyVoice 1 has no fixed CFM noise (fresh noise per call), so it writes no ``flo
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
-from ..config import ModelConfig
 from ..errors import InputError
-from ..models.registry import FAMILIES, family_named, family_of_release
-from ..models.v1.config import V1ModelConfig
-from ..models.v1.tokenizer import V1_TOKENIZER_FILE
-from ..models.v3.export.family import hift_noise_seconds
+from ..family_lookup import FAMILIES, family_named, family_of_release
 from ..runtime.engines import FLOW_NOISE_NAME, HIFT_NOISE_NAME, TABLE_NAMES
 from ..runtime.model import LoadedModel
 from .export import ExportResult, GraphPlan, Progress
@@ -37,12 +32,10 @@ from .registry import build_family_of, build_family_of_release
 __all__ = [
     "FRONTEND_FILES",
     "check_family_options",
-    "hift_noise_seconds",
     "load_model_for_build",
     "export_family",
     "export_plan",
     "write_model_data",
-    "copy_v1_tokenizer",
     "frontend_files",
 ]
 
@@ -84,7 +77,7 @@ def load_model_for_build(model_dir: Path) -> LoadedModel:
     return build_family_of_release(model_dir).load_for_build(model_dir)
 
 
-def export_plan(config: ModelConfig | V1ModelConfig, name: str) -> GraphPlan:
+def export_plan(config: Any, name: str) -> GraphPlan:
     """The export plan (sample and parity feeds) of graph ``name`` of ``config``'s family."""
     return build_family_of(config).export_plan(config, name)
 
@@ -107,22 +100,6 @@ def write_model_data(model: LoadedModel, model_dir: Path, staging: Path) -> None
     if family.fixed_hift_noise:
         np.save(staging / HIFT_NOISE_NAME, np.ascontiguousarray(model.hift_noise, dtype=np.float32))
     build_family_of(model.config).write_extra_data(model, Path(model_dir), staging)
-
-
-def copy_v1_tokenizer(model_dir: Path, tokenizer_dir: Path) -> None:
-    """Copy whisper's ``multilingual.tiktoken`` (put next to ``cosyvoice.yaml``) into ``tokenizer_dir``."""
-    source = Path(model_dir) / V1_TOKENIZER_FILE
-    if not source.is_file():
-        _LOGGER.warning(
-            "%s has no %s (openai-whisper's whisper/assets/%s): the engines carry no text tokenizer; "
-            "copy it next to cosyvoice.yaml and rebuild before synthesising",
-            model_dir,
-            V1_TOKENIZER_FILE,
-            V1_TOKENIZER_FILE,
-        )
-        return
-    tokenizer_dir.mkdir(exist_ok=True)
-    shutil.copy2(source, tokenizer_dir / V1_TOKENIZER_FILE)
 
 
 def frontend_files(family: str) -> tuple[str, ...]:

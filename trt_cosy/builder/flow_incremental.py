@@ -34,8 +34,7 @@ from torch.export import Dim
 
 from ..config import ModelConfig
 from ..errors import InputError
-from ..models.registry import family_named
-from ..models.v3 import graphs as graphs_v3
+from ..family_lookup import family_named
 from ..runtime import graphs
 from ..runtime.engines import MIXED_BACKEND, ORT_BACKEND, OV_BACKEND
 from ..runtime.graphs import GraphSpec
@@ -49,11 +48,13 @@ from .onnx.files import save_onnx
 from .onnx.passes import INCREMENTAL_REWRITES, check_equivalent, rewrite_model
 from .progress import emitter
 from .quantize.engines import quantize_matmul_int8
+from .registry import build_family_of
 
 __all__ = [
     "INCREMENTAL_FILE",
     "INCREMENTAL_BACKENDS",
     "incremental_export_plan",
+    "unet_incremental_graph",
     "export_incremental_estimator",
     "write_incremental_estimator",
     "add_incremental_estimator",
@@ -119,7 +120,7 @@ def export_incremental_estimator(
     """Export the plain incremental estimator to ``out_dir/flow_estimator_incremental.onnx``, checked
     against torch (1e-4); return the export and its plan (feeds), or None where the family has none
     (v1). OpenVINO and mixed engines convert this file to IR (``builder.openvino``)."""
-    graph = _incremental_graph(model)
+    graph = build_family_of(model.config).incremental_estimator_graph(model)
     if graph is None:
         return None
     spec, module, plan = graph
@@ -136,17 +137,9 @@ def export_incremental_estimator(
     return result, plan
 
 
-def _incremental_graph(model: LoadedModel) -> tuple[GraphSpec, nn.Module, GraphPlan] | None:
-    """(contract, torch module, export plan) of the family's incremental estimator, or None (v1)."""
-    if family_named(model.config.family).incremental_estimator == "dit":
-        from ..models.v3.export.dit_incremental import V3IncrementalEstimatorGraph, v3_incremental_export_plan
-
-        runner = model.runners.get(graphs.FLOW_ESTIMATOR.name)
-        dit = getattr(getattr(runner, "module", None), "estimator", None)  # EstimatorGraph(flow).estimator
-        if dit is None:
-            return None
-        spec = graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3
-        return spec, V3IncrementalEstimatorGraph(dit), v3_incremental_export_plan(model.config)
+def unet_incremental_graph(model: LoadedModel) -> tuple[GraphSpec, nn.Module, GraphPlan] | None:
+    """(contract, torch module, export plan) of CosyVoice2's incremental U-Net estimator, or None where the
+    model's flow is not the torch U-Net (``BuildFamily.incremental_estimator_graph`` of CosyVoice2)."""
     estimator = _estimator(model)
     if estimator is None:
         return None

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any, Final
 
-from ..models.registry import FAMILIES, family_named, family_of_release
+from ..family_lookup import FAMILIES, family_named, family_of_release
 from .build_family import BuildFamily
 
 __all__ = ["build_family_named", "build_family_of", "build_family_of_release", "BUILD_FAMILY_NAMES"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .options import check_one_of, engine_options, load_tts
+from .options import check_one_of, engine_options, load_tts, output_options, voice_file_option
 from .say import _preset_voice, _SynthesisProgress, _write_interruptibly
 
 
@@ -20,20 +20,10 @@ from .say import _preset_voice, _SynthesisProgress, _write_interruptibly
     default=None,
     help="Reference recording of the target voice (1-30 s): the official VC prompt.",
 )
-@click.option(
-    "--voice",
-    "voice_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="A voice file from `trt-cosy voices save` (instead of --ref).",
-)
+@voice_file_option
 @click.option("--speaker", default=None, help="A preset speaker (CosyVoice-300M-SFT/-Instruct).")
-@click.option(
-    "-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output wav."
-)
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
+@output_options
 @click.option("--stream", is_flag=True, help="Stream: write audio while it is generated.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr (errors are still shown).")
 def convert(
     source_wav: Path,
     engines: Path | None,

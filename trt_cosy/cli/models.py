@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -75,7 +76,7 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
 @click.option("--threads", type=int, default=None, help="CPU threads for the backend.")
 def verify(model_dir: Path, golden: Path, backend: str, engines: Path | None, threads: int | None) -> None:
     """Compare every stage with the official outputs in a golden file (CosyVoice 1, 2 or 3); exit 1 on any failure."""
-    from ..verify import format_table, load_backend, run_verify
+    from ..verify import format_table, run_verify
     from ..verify.golden import GoldenSet
 
     model = load_backend(backend, model_dir, engines, threads)
@@ -123,3 +124,24 @@ def make_test_model(out: Path, family: str, size: str, seed: int, overwrite: boo
     click.echo(
         f"wrote {size} random-weight {family} test model to {path} (not a real voice: audio is noise-like)"
     )
+
+
+def load_backend(backend: str, model_dir: Path, engines: Path | None, threads: int | None) -> Any:
+    """The ``LoadedModel`` ``verify`` runs for ``backend``: ``torch`` runs our reference modules on the checkpoint."""
+    from ..errors import InputError, require
+
+    if backend == "torch":
+        require("torch", "build")
+        from ..builder.reference import load_torch_model
+
+        return load_torch_model(model_dir, threads=threads)
+    from ..family_lookup import family_of_release
+
+    family_of_release(model_dir)  # a missing or unknown release directory is refused first
+    if engines is None:
+        raise InputError(f"--backend {backend} needs --engines DIR (built with `trt-cosy build`).")
+    if backend not in ("onnxruntime", "tensorrt", "openvino", "mixed"):
+        raise InputError(f"unknown backend {backend!r}; use torch, onnxruntime, tensorrt, openvino or mixed.")
+    from ..runtime.engines import load_engines
+
+    return load_engines(engines, threads=threads, model_dir=model_dir, backend=backend)

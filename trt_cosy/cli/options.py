@@ -141,3 +141,27 @@ def engine_options(command):
     for option in reversed(options):
         command = option(command)
     return command
+
+
+# The options ``say`` and ``convert`` share: a stored voice, the output wav, the seed and quiet.
+voice_file_option = click.option(
+    "--voice",
+    "voice_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A voice file from `trt-cosy voices save` (instead of --ref).",
+)
+out_option = click.option(
+    "-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output wav."
+)
+seed_option = click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
+quiet_option = click.option(
+    "-q", "--quiet", is_flag=True, help="No progress lines on stderr (errors are still shown)."
+)
+
+
+def output_options(command):
+    """``-o/--out``, ``--seed`` and ``-q/--quiet`` (``say``, ``convert``)."""
+    for option in (quiet_option, seed_option, out_option):
+        command = option(command)
+    return command

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .options import check_one_of, echo_progress, engine_options, load_tts
+from .options import check_one_of, echo_progress, engine_options, load_tts, output_options, voice_file_option
 
 
 @click.command()
@@ -20,13 +20,7 @@ from .options import check_one_of, echo_progress, engine_options, load_tts
     help="Reference recording of the voice (1-30 s).",
 )
 @click.option("--ref-text", default=None, help="Transcript of --ref (zero-shot); without it: cross-lingual.")
-@click.option(
-    "--voice",
-    "voice_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="A voice file from `trt-cosy voices save` (instead of --ref).",
-)
+@voice_file_option
 @click.option(
     "--speaker",
     default=None,
@@ -37,13 +31,9 @@ from .options import check_one_of, echo_progress, engine_options, load_tts
     default=None,
     help="How to speak: with --speaker for CosyVoice-300M-Instruct, with --ref/--voice for CosyVoice2/3.",
 )
-@click.option(
-    "-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output wav."
-)
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same audio.")
+@output_options
 @click.option("--stream", is_flag=True, help="Stream: write (and --play) audio while it is generated.")
 @click.option("--play", is_flag=True, help="Also play the audio as it comes (aplay, paplay or ffplay).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr (errors are still shown).")
 def say(
     text: str,
     engines: Path | None,

@@ -79,11 +79,21 @@ class Family(ABC):
     build_family: ClassVar[str]
     openvino_incremental: ClassVar[bool] = False
     quality: ClassVar[QualityFeeds]
+    # The graphs int8/int4 engines reduce, by role ("llm", "estimator", "dit", "vocoder":
+    # ``builder.quantize.engines.precision_plan`` picks each role's method); the others stay fp32.
+    quantized_graphs: ClassVar[Mapping[str, str]]
+    # ``profile_builder(config, limits)``: the family's TensorRT profiles (``models/<name>/profiles.py``).
+    profile_builder: ClassVar[Callable[[Any, Any], list[Any]]]
 
     @property
     @abstractmethod
     def graphs(self) -> Mapping[str, GraphSpec]:
         """The graph contracts of the family's engines, keyed by graph name, in export order."""
+
+    def trt_profiles(self, config: Any, limits: Any) -> list[Any]:
+        """The TensorRT optimisation profiles (``runtime.profiles.GraphProfiles``) of the family's exported
+        graphs under ``limits`` (``ProfileLimits``); ``runtime.profiles.default_profiles`` adds the step graphs'."""
+        return type(self).profile_builder(config, limits)
 
     @property
     def frontend_files(self) -> tuple[str, ...]:

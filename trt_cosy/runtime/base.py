@@ -7,14 +7,14 @@ and stay valid after the next call (a backend that reuses buffers must copy befo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import InputError
 
-__all__ = ["Runner", "cast_input"]
+__all__ = ["Runner", "cast_input", "check_feed"]
 
 
 @runtime_checkable
@@ -52,3 +52,11 @@ def cast_input(graph: str, key: str, value: np.ndarray, dtype: np.dtype | None, 
             f"graph '{graph}' input '{key}' is {dtype}; got {array.dtype}, which does not "
             f"convert safely. Pass {dtype} values."
         ) from exc
+
+
+def check_feed(graph: str, inputs: Iterable[str], feed: Mapping[str, np.ndarray]) -> None:
+    """Refuse a feed that lacks one of the graph's ``inputs`` (``InputError`` naming them all)."""
+    names = list(inputs)
+    missing = [key for key in names if key not in feed]
+    if missing:
+        raise InputError(f"graph '{graph}' needs inputs {names}; missing {missing}. Feed every input by name.")

@@ -17,7 +17,7 @@ from typing import Final
 import numpy as np
 
 from ..errors import EngineMismatchError
-from ..models.registry import family_named
+from ..family_lookup import family_named
 from . import graphs
 from .base import Runner
 from .manifest import Manifest, model_config_from_dict

@@ -10,8 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["TensorSpec", "GraphSpec", "GRAPHS", "LLM", "LLM_BATCH", "FLOW_ENCODER", "FLOW_ESTIMATOR",
-           "FLOW_ESTIMATOR_STREAM", "FLOW_ESTIMATOR_INCREMENTAL", "HIFT"]
+__all__ = [
+    "TensorSpec",
+    "GraphSpec",
+    "GRAPHS",
+    "LLM",
+    "LLM_BATCH",
+    "FLOW_ENCODER",
+    "FLOW_ESTIMATOR",
+    "FLOW_ESTIMATOR_STREAM",
+    "FLOW_ESTIMATOR_INCREMENTAL",
+    "HIFT",
+    "incremental_estimator_spec",
+]
 
 
 @dataclass(frozen=True)
@@ -105,29 +116,36 @@ FLOW_ESTIMATOR: Final = GraphSpec("flow_estimator", _ESTIMATOR_INPUTS, _ESTIMATO
 # Same weights, 50-frame chunk attention mask (streaming chunks that are not final).
 FLOW_ESTIMATOR_STREAM: Final = GraphSpec("flow_estimator_stream", _ESTIMATOR_INPUTS, _ESTIMATOR_OUTPUTS)
 
+
 # One chunk-attention Euler step on the T new frames of a streaming chunk (CosyVoice2; written by
 # ``builder.flow_incremental``, driven by ``stages.flow_incremental``). ``past_blocks``: per completed
 # frame (P, a multiple of the 50-frame chunk), per transformer block (L), per CFG row, the block's
 # normalised input (D wide); ``past_tails``: the last 2 input frames of every causal convolution
 # (C channels in all; zeros when P = 0). The mask is all ones (no input). Not part of ``GRAPHS``:
 # engines without it recompute every chunk from the start.
-FLOW_ESTIMATOR_INCREMENTAL: Final = GraphSpec(
-    "flow_estimator_incremental",
-    inputs=(
-        TensorSpec("x", "float32", (2, 80, "T")),
-        TensorSpec("mu", "float32", (2, 80, "T")),
-        TensorSpec("t", "float32", (2,)),
-        TensorSpec("spks", "float32", (2, 80)),
-        TensorSpec("cond", "float32", (2, 80, "T")),
-        TensorSpec("past_blocks", "float32", ("P", "L", 2, "D")),
-        TensorSpec("past_tails", "float32", (2, "C", 2)),
-    ),
-    outputs=(
-        TensorSpec("estimator_out", "float32", (2, 80, "T")),
-        TensorSpec("new_blocks", "float32", ("T", "L", 2, "D")),
-        TensorSpec("new_tails", "float32", (2, "C", 2)),
-    ),
-)
+def incremental_estimator_spec(channels: str | int, tail: int) -> GraphSpec:
+    """The incremental estimator's contract with ``channels`` summed causal-convolution input channels
+    and ``tail`` frames kept of each (CosyVoice2's U-Net: C, 2; CosyVoice3's DiT: 2D, 30)."""
+    return GraphSpec(
+        "flow_estimator_incremental",
+        inputs=(
+            TensorSpec("x", "float32", (2, 80, "T")),
+            TensorSpec("mu", "float32", (2, 80, "T")),
+            TensorSpec("t", "float32", (2,)),
+            TensorSpec("spks", "float32", (2, 80)),
+            TensorSpec("cond", "float32", (2, 80, "T")),
+            TensorSpec("past_blocks", "float32", ("P", "L", 2, "D")),
+            TensorSpec("past_tails", "float32", (2, channels, tail)),
+        ),
+        outputs=(
+            TensorSpec("estimator_out", "float32", (2, 80, "T")),
+            TensorSpec("new_blocks", "float32", ("T", "L", 2, "D")),
+            TensorSpec("new_tails", "float32", (2, channels, tail)),
+        ),
+    )
+
+
+FLOW_ESTIMATOR_INCREMENTAL: Final = incremental_estimator_spec("C", 2)
 
 # HiFT: f0 predictor, NSF source (noise injected), decoder, iSTFT. ``cache_source`` (length
 # S <= 480F, may be 0) overwrites the start of the generated source (streaming continuity).

@@ -5,20 +5,22 @@ bounded by the segment's ``FlowCache`` limit. The other graphs' profiles are in 
 
 from __future__ import annotations
 
-from ..config import ModelConfig
-from .profiles import GraphProfiles, ProfileLimits, ShapeProfile, _range
+from typing import Final
 
-__all__ = ["incremental_frames", "incremental_profiles"]
+from ..config import ModelConfig
+from .profiles import GraphProfiles, ProfileLimits, ShapeProfile, range_of
+
+__all__ = ["DEFAULT_LIMIT_BYTES", "incremental_frames", "incremental_profiles"]
+
+DEFAULT_LIMIT_BYTES: Final = 2 << 30  # 2 GiB per segment: ~1870 frames (37 s of prompt + speech) at full size
 
 
 def incremental_frames(config: ModelConfig, limits: ProfileLimits | None = None) -> int:
     """The most frames (cached + new) one incremental streaming call covers: what the segment's
     ``FlowCache`` may hold under ``limits.flow_cache_bytes``, at most ``max_tokens``' frames."""
-    from ..stages.flow_incremental import DEFAULT_LIMIT_BYTES, cache_layout  # stages import this package
-
     limits = limits or ProfileLimits()
     estimator = config.flow.estimator
-    blocks, width, _ = cache_layout(estimator)
+    blocks, width, _ = estimator.cache_layout()
     per_frame = config.flow.cfm.n_timesteps * blocks * 2 * width * 4  # FlowCache.bytes_per_frame
     budget = DEFAULT_LIMIT_BYTES if limits.flow_cache_bytes is None else limits.flow_cache_bytes
     frames = min(budget // per_frame, config.token_mel_ratio * limits.max_tokens)
@@ -36,13 +38,12 @@ def incremental_profiles(config: ModelConfig, limits: ProfileLimits | None = Non
     (opt never empty: TensorRT tunes there) / the cache limit, F = ``incremental_frames``. P is a multiple of the 50-frame chunk below F, so every
     call over at most F frames fits ``long`` (``stages.flow.FlowStage`` stops the cache beyond it).
     """
-    from ..stages.flow_incremental import cache_layout
     from ..streaming import MAX_HOP
     from .graphs import FLOW_ESTIMATOR_INCREMENTAL
 
     limits = limits or ProfileLimits()
     mels, ratio = config.flow.output_size, config.token_mel_ratio
-    blocks, width, channels = cache_layout(config.flow.estimator)
+    blocks, width, channels = config.flow.estimator.cache_layout()
     chunk = config.flow.estimator.static_chunk_size
     frames = incremental_frames(config, limits)
     cached = (frames - 1) // chunk * chunk  # the largest P of a call over at most ``frames`` frames
@@ -64,8 +65,8 @@ def incremental_profiles(config: ModelConfig, limits: ProfileLimits | None = Non
     result = GraphProfiles(
         FLOW_ESTIMATOR_INCREMENTAL.name,
         (
-            profile("chunk", (1, hop, hop), _range(0, ratio * limits.stream_tokens // 2, cached)),
-            profile("long", _range(1, ratio * limits.stream_tokens // 4, frames), _range(0, chunk, cached)),
+            profile("chunk", (1, hop, hop), range_of(0, ratio * limits.stream_tokens // 2, cached)),
+            profile("long", range_of(1, ratio * limits.stream_tokens // 4, frames), range_of(0, chunk, cached)),
         ),
     )
     result.check_spec(FLOW_ESTIMATOR_INCREMENTAL)

@@ -19,10 +19,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
-from ..config import QWEN_DIR, YAML_BY_FAMILY, ModelConfig
+from ..config import QWEN_DIR, YAML_BY_FAMILY
 from ..errors import EngineMismatchError, ModelDirError
-from ..models.registry import family_named, family_of_release
-from ..models.v1.config import V1ModelConfig
+from ..family_lookup import family_named, family_of_release
 from ..version import __version__
 
 __all__ = [
@@ -280,7 +279,7 @@ def hash_checkpoint(model_dir: Path) -> dict[str, str]:
     return {name: file_sha256(model_dir / name) for name in checkpoint_files(model_dir)}
 
 
-def model_config_from_dict(raw: Mapping[str, Any]) -> ModelConfig | V1ModelConfig:
+def model_config_from_dict(raw: Mapping[str, Any]) -> Any:
     """Rebuild a model config from its ``to_dict()`` (after a JSON round trip).
 
     ``raw["family"]`` picks the class (``Family.config_class``: ``V1ModelConfig``, ``ModelConfig``,

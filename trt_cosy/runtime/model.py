@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..models.v1.config import V1ModelConfig
 from .base import Runner
 
 __all__ = ["LoadedModel"]
@@ -25,7 +24,7 @@ class LoadedModel:
     fixed NSF noise buffer, float32 [1, S, 9] uniform [0, 1) (None for v1 and v2).
     """
 
-    config: ModelConfig | V1ModelConfig
+    config: Any  # the family's config class (``Family.config_class``): ModelConfig, V1ModelConfig, V3ModelConfig
     backend: str
     runners: dict[str, Runner]
     llm_tables: dict[str, np.ndarray]

@@ -32,8 +32,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import EngineMismatchError, InputError, require
-from .base import cast_input
+from ..errors import EngineMismatchError, require
+from .base import cast_input, check_feed
 from .cpu_budget import default_threads
 from .lazy import LazyRunner
 
@@ -317,12 +317,7 @@ class OvRunner:
         return specs
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        missing = [key for key in self._inputs if key not in feed]
-        if missing:
-            raise InputError(
-                f"graph '{self.name}' needs inputs {list(self._inputs)}; missing {missing}. "
-                "Feed every input by name."
-            )
+        check_feed(self.name, self._inputs, feed)
         inputs = {key: self._cast(key, feed[key]) for key in self._inputs}
         request = self._acquire()
         try:

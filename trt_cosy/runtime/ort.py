@@ -11,9 +11,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import EngineMismatchError, InputError, MissingDependencyError, ModelDirError, require
+from ..errors import EngineMismatchError, MissingDependencyError, ModelDirError, require
 from . import heap, run_scope
-from .base import cast_input
+from .base import cast_input, check_feed
 from .cpu_budget import default_threads
 from .lazy import LazyRunner
 
@@ -186,12 +186,7 @@ class OrtRunner:
         return {key: (tuple(node.shape), self._dtypes[key]) for key, node in self._inputs.items()}
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        missing = [key for key in self._inputs if key not in feed]
-        if missing:
-            raise InputError(
-                f"graph '{self.name}' needs inputs {list(self._inputs)}; missing {missing}. "
-                "Feed every input by name."
-            )
+        check_feed(self.name, self._inputs, feed)
         session_feed = {key: self._cast(key, feed[key]) for key in self._inputs}
         scope = run_scope.current()
         if scope is None:

@@ -20,8 +20,6 @@ from typing import Any, Final, Protocol
 
 from ..config import HiFTConfig, ModelConfig
 from ..errors import EngineMismatchError, InputError
-from ..models.v1.config import V1ModelConfig
-from ..models.v3 import graphs as graphs_v3
 from .euler import FLOW_STEP, STEP_GRAPHS
 from .graphs import GraphSpec
 
@@ -34,9 +32,15 @@ __all__ = [
     "step_profiles",
     "llm_decode_profiles",
     "trt_graph_specs",
-    "V1_FRAME_SLACK",
     "default_profiles",
-    "v1_frames",
+    "range_of",
+    "llm_profiles",
+    "qwen_dims",
+    "flow_encoder_profiles",
+    "estimator_profiles",
+    "middle_frames",
+    "token_frames",
+    "hift_profiles",
     "select_profile",
     "profiles_to_dict",
     "profiles_from_dict",
@@ -57,6 +61,10 @@ class FamilyGraphs(Protocol):
     graphs: Mapping[str, GraphSpec]
     trt_step_graphs: bool
 
+    def trt_profiles(self, config: Any, limits: ProfileLimits) -> list[GraphProfiles]:
+        """The profiles of the family's exported graphs (the step graphs' are derived here)."""
+        ...
+
 
 def trt_graph_specs(family: FamilyGraphs) -> dict[str, GraphSpec]:
     """Every graph a TensorRT engines directory of ``family`` holds: the exported set
@@ -66,10 +74,6 @@ def trt_graph_specs(family: FamilyGraphs) -> dict[str, GraphSpec]:
     if family.trt_step_graphs:
         specs.update({step.name: step for estimator, step in STEP_GRAPHS.items() if estimator in specs})
     return specs
-
-
-V1_ESTIMATOR_MIN_FRAMES: Final = 2  # the v1 U-Net halves the frames once (its export needs F >= 2)
-V1_FRAME_SLACK: Final = 8  # v1 mel frames beyond int(tokens / 50 · 22050 / 256): the prompt mel's own length
 
 
 @dataclass(frozen=True)
@@ -239,11 +243,11 @@ class ProfileLimits:
     bound the new and cached frames (``runtime.incremental_profiles``)."""
 
 
-def _range(low: int, opt: int, high: int) -> tuple[int, int, int]:
+def range_of(low: int, opt: int, high: int) -> tuple[int, int, int]:
     return low, min(max(opt, low), high), high
 
 
-def _llm_profiles(dims: tuple[int, int, int, int], limits: ProfileLimits) -> GraphProfiles:
+def llm_profiles(dims: tuple[int, int, int, int], limits: ProfileLimits) -> GraphProfiles:
     """dims: (hidden D, layers L, cached heads H, head dim Dh) of the ``LLM`` contract."""
     hidden, layers, heads, head_dim = dims
 
@@ -254,12 +258,12 @@ def _llm_profiles(dims: tuple[int, int, int, int], limits: ProfileLimits) -> Gra
 
     # Prefill runs at P = 0, but TensorRT tunes its tactics at opt, which must not be empty (issue 29
     # item 7): opt and max P = 1, which the graph accepts (one past position); the runtime feeds P = 0.
-    profiles = [profile("prefill", _range(1, limits.prefill_opt, limits.max_prefill), (0, 1, 1))]
+    profiles = [profile("prefill", range_of(1, limits.prefill_opt, limits.max_prefill), (0, 1, 1))]
     step = (1, 1, limits.max_decode_step)
     # Buckets all start at P = 1: select() takes the first that fits, so a short cache gets the kernels
     # tuned for the small opt, and a larger bucket still accepts it.
     for high in (*[b for b in limits.decode_buckets if b < limits.max_context], limits.max_context):
-        profiles.append(profile(f"decode_{high}", step, _range(1, high // 2, high)))
+        profiles.append(profile(f"decode_{high}", step, range_of(1, high // 2, high)))
     return GraphProfiles("llm", tuple(profiles))
 
 
@@ -270,12 +274,12 @@ def llm_decode_profiles(config: ModelConfig, limits: ProfileLimits | None = None
     from .llm_decode import LLM_DECODE_NAME, cache_input_names, llm_decode_spec
 
     limits = limits or ProfileLimits()
-    hidden, layers, heads, head_dim = _qwen_dims(config)
-    rows = _range(1, max(1, limits.max_batch // 2), limits.max_batch)
+    hidden, layers, heads, head_dim = qwen_dims(config)
+    rows = range_of(1, max(1, limits.max_batch // 2), limits.max_batch)
     profiles = []
     for high in (*[b for b in limits.decode_buckets if b < limits.max_context], limits.max_context):
-        window = _range(1, high // 2, high)
-        capacity = _range(1, limits.max_context, limits.max_context)
+        window = range_of(1, high // 2, high)
+        capacity = range_of(1, limits.max_context, limits.max_context)
         cache = tuple((b, heads, c, head_dim) for b, c in zip(rows, capacity, strict=True))  # [B, H, C, Dh]
         shapes = {
             "inputs_embeds": tuple((b, 1, hidden) for b in rows),  # [B, 1, D]
@@ -289,12 +293,12 @@ def llm_decode_profiles(config: ModelConfig, limits: ProfileLimits | None = None
     return result
 
 
-def _qwen_dims(config: ModelConfig) -> tuple[int, int, int, int]:
+def qwen_dims(config: ModelConfig) -> tuple[int, int, int, int]:
     qwen = config.llm.qwen
     return qwen.hidden_size, qwen.num_layers, qwen.num_kv_heads, qwen.head_dim
 
 
-def _flow_encoder_profiles(config: ModelConfig, limits: ProfileLimits, streaming: bool) -> GraphProfiles:
+def flow_encoder_profiles(config: ModelConfig, limits: ProfileLimits, streaming: bool) -> GraphProfiles:
     """v2 (with the ``streaming`` flag input) and v3 (without) token-rate flow encoders."""
     lookahead, speaker = config.flow.encoder.pre_lookahead_len, config.flow.spk_embed_dim
 
@@ -308,12 +312,12 @@ def _flow_encoder_profiles(config: ModelConfig, limits: ProfileLimits, streaming
         }
         return ShapeProfile(name, shapes)  # type: ignore[arg-type]
 
-    short = _range(1, limits.stream_tokens // 4, limits.stream_tokens)
-    long = _range(1, limits.max_tokens // 2, limits.max_tokens)
+    short = range_of(1, limits.stream_tokens // 4, limits.stream_tokens)
+    long = range_of(1, limits.max_tokens // 2, limits.max_tokens)
     return GraphProfiles("flow_encoder", (profile("stream", short), profile("long", long)))
 
 
-def _estimator_profiles(
+def estimator_profiles(
     name: str,
     mels: int,
     short: tuple[int, int, int],
@@ -339,7 +343,7 @@ def _estimator_profiles(
     return GraphProfiles(name, tuple(profile(label, frames) for label, frames in buckets))
 
 
-def _middle_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[int, int, int] | None:
+def middle_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[int, int, int] | None:
     """The streaming estimator's middle bucket (issue 29 item 5): frames up to ``stream_mid_tokens``'
     (capped at the long bucket's), opt a quarter of the way from the short bucket's end to that: a
     growing streaming segment passes its low end first (the long bucket's opt is at half its max)."""
@@ -348,17 +352,17 @@ def _middle_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[int, int
     low = ratio * limits.stream_tokens
     if top <= low:
         return None
-    return _range(1, (3 * low + top) // 4, top)
+    return range_of(1, (3 * low + top) // 4, top)
 
 
-def _token_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[tuple[int, int, int], ...]:
+def token_frames(config: ModelConfig, limits: ProfileLimits) -> tuple[tuple[int, int, int], ...]:
     """v2/v3 mel frame ranges (short, long): ``token_mel_ratio`` frames per token."""
     ratio = config.token_mel_ratio
-    short = _range(1, ratio * limits.stream_tokens // 4, ratio * limits.stream_tokens)
-    return short, _range(1, ratio * limits.max_tokens // 2, ratio * limits.max_tokens)
+    short = range_of(1, ratio * limits.stream_tokens // 4, ratio * limits.stream_tokens)
+    return short, range_of(1, ratio * limits.max_tokens // 2, ratio * limits.max_tokens)
 
 
-def _hift_profiles(
+def hift_profiles(
     name: str,
     config: HiFTConfig,
     frames: tuple[tuple[int, int, int], tuple[int, int, int]],
@@ -382,113 +386,13 @@ def _hift_profiles(
     return GraphProfiles(name, (profile("stream", 0), profile("long", 1)))
 
 
-def _v2_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfiles]:
-    short, long = _token_frames(config, limits)
-    cached = config.hift.samples_per_frame * limits.hift_cache_frames
-    chunk = config.chunk_size * config.token_mel_ratio + limits.hift_cache_frames  # 50 new + 8 cached
-    hift_frames = (_range(1, chunk, limits.stream_frames), long)
-    return [
-        _llm_profiles(_qwen_dims(config), limits),
-        _flow_encoder_profiles(config, limits, streaming=True),
-        _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
-        _estimator_profiles(
-            "flow_estimator_stream", config.flow.output_size, short, long, _middle_frames(config, limits)
-        ),
-        _hift_profiles("hift", config.hift, hift_frames, ((0, cached, cached), (0, cached, cached))),
-    ]
-
-
-def _v3_profiles(config: ModelConfig, limits: ProfileLimits) -> list[GraphProfiles]:
-    """CosyVoice3: the v2 LLM and estimator profiles (the DiT keeps the estimator I/O); the flow
-    encoder has no ``streaming`` input; both causal HiFT graphs re-vocode the whole mel so far (no
-    source cache), the streaming one needs ``HIFT_STREAM_MIN_FRAMES`` (its outputs are 8 frames shorter)."""
-    short, long = _token_frames(config, limits)
-    least = graphs_v3.HIFT_STREAM_MIN_FRAMES
-    stream = _range(1, limits.stream_frames // 4, limits.stream_frames)
-    stream_only = (least, max(stream[1], least), max(stream[2], least))
-    return [
-        _llm_profiles(_qwen_dims(config), limits),
-        _flow_encoder_profiles(config, limits, streaming=False),
-        _estimator_profiles("flow_estimator", config.flow.output_size, short, long),
-        _estimator_profiles(
-            "flow_estimator_stream", config.flow.output_size, short, long, _middle_frames(config, limits)
-        ),
-        _hift_profiles("hift", config.hift, (stream, long), None),
-        _hift_profiles("hift_stream", config.hift, (stream_only, (least, *long[1:])), None),
-    ]
-
-
-def v1_frames(config: V1ModelConfig, tokens: int) -> int:
-    """Most mel frames ``tokens`` 50 Hz tokens (prompt included) give: the official length regulator's
-    ``int(n / 50 · 22050 / 256)`` plus ``V1_FRAME_SLACK`` (the prompt mel comes from the prompt audio,
-    not from its token count)."""
-    return config.flow.mel_frames(tokens) + V1_FRAME_SLACK
-
-
-def _v1_flow_encoder(
-    config: V1ModelConfig, tokens: tuple[int, int, int], frames: tuple[int, int, int], label: str
-) -> ShapeProfile:
-    regulator = tuple((f,) for f in frames)  # [F]: the length regulator's indices and weights
-    shapes = {
-        "tokens": tuple((1, n) for n in tokens),  # [1, N]
-        "embedding": ((1, config.flow.spk_embed_dim),) * 3,
-        "index0": regulator,
-        "index1": regulator,
-        "weight1": regulator,
-    }
-    return ShapeProfile(label, shapes)  # type: ignore[arg-type]
-
-
-def _v1_profiles(config: V1ModelConfig, limits: ProfileLimits) -> list[GraphProfiles]:
-    """CosyVoice 1: 50 Hz tokens, 22.05 kHz, mel frames from the length regulator (``v1_frames``)."""
-    llm, flow, stream = config.llm, config.flow, config.stream
-    text_embeds = tuple((1, n, llm.text_encoder_input_size) for n in _range(1, 64, limits.max_prefill))
-    text = ShapeProfile("text", {"text_embeds": text_embeds, "embedding": ((1, llm.spk_embed_dim),) * 3})
-    short_tokens = _range(1, limits.stream_tokens // 4, limits.stream_tokens)
-    long_tokens = _range(1, limits.max_tokens // 2, limits.max_tokens)
-    short, long = (
-        _range(1, v1_frames(config, n[1]), v1_frames(config, n[2])) for n in (short_tokens, long_tokens)
-    )
-    least = V1_ESTIMATOR_MIN_FRAMES
-    # One streaming vocoder call: 20 cached + the chunk's (hop + overlap) frames - 34 held back.
-    chunk = stream.mel_cache_len + flow.mel_frames(stream.token_hop_len + stream.token_overlap_len)
-    chunk -= stream.mel_overlap_len
-    cached = stream.source_cache_len
-    lm = llm.llm
-    return [
-        GraphProfiles("v1_text_encoder", (text,)),
-        _llm_profiles(
-            (llm.llm_input_size, lm.num_blocks, lm.attention_heads, lm.output_size // lm.attention_heads),
-            limits,
-        ),
-        GraphProfiles(
-            "v1_flow_encoder",
-            (
-                _v1_flow_encoder(config, short_tokens, short, "stream"),
-                _v1_flow_encoder(config, long_tokens, long, "long"),
-            ),
-        ),
-        _estimator_profiles("flow_estimator", flow.output_size, (least, *short[1:]), (least, *long[1:])),
-        _hift_profiles(
-            "v1_hift",
-            config.hift,
-            (_range(1, chunk, limits.stream_frames), long),
-            ((0, cached, cached), (0, cached, cached)),  # opt never empty (issue 29 item 7)
-            rand_phase=True,
-        ),
-    ]
-
-
 def default_profiles(
-    config: ModelConfig | V1ModelConfig, family: FamilyGraphs, limits: ProfileLimits | None = None
+    config: Any, family: FamilyGraphs, limits: ProfileLimits | None = None
 ) -> dict[str, GraphProfiles]:
     """The profiles of every TensorRT graph of ``config``'s family (``family``; ``trt_graph_specs``: the
     exported set plus the flow step graphs), each checked against its contract."""
     limits = limits or ProfileLimits()
-    builders = {"v1": _v1_profiles, "v2": _v2_profiles, "v3": _v3_profiles}
-    if config.family not in builders:
-        raise InputError(f"no TensorRT profiles for model family {config.family!r}; build for onnxruntime.")
-    result = {graph.graph: graph for graph in builders[config.family](config, limits)}  # type: ignore[operator]
+    result = {graph.graph: graph for graph in family.trt_profiles(config, limits)}
     specs = trt_graph_specs(family)
     for estimator, step in STEP_GRAPHS.items():
         if step.name in specs:

@@ -7,10 +7,10 @@ each at half speed (less: the spinning threads of one steal cycles from the othe
 come late. Taking turns instead, the first render in line finishes after one render's time. The
 first chunk of a request (its time to first audio) goes before any later chunk of another request,
 whose listener already has audio playing; within each kind it is first come, first served, or, for
-requests given a ``priority`` (a server's admission: ``serving.admission.render_priority``), in that
+requests given a ``priority`` (a server's admission: ``server.admission.render_priority``), in that
 order: streamed requests' first chunks (shortest first) and then their later chunks, then
 non-streamed requests one at a time (least expected work first), so requests finish one after the
-other instead of all slowing down together (``serving.admission.WorkOrder`` predicts that order).
+other instead of all slowing down together (``server.admission.WorkOrder`` predicts that order).
 
 A render still waits for ``work_gate.RENDER_GATE`` (memory) first; turns only order the renders
 that the gate admits. docs/benchmarks.md ("Continuous batching") has the measurements.

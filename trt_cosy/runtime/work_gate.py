@@ -31,7 +31,7 @@ def render_order(first: bool, priority: tuple[int, int, int] | None, size: int, 
     """The place of a render in line (lower first), shared by ``WorkGate`` and ``RenderTurns``.
 
     Without a ``priority``: first chunks first, then arrival (``ticket``). With a server's priority
-    (``serving.admission.render_priority``): a streamed request ``(0, _, number)`` has its first chunks
+    (``server.admission.render_priority``): a streamed request ``(0, _, number)`` has its first chunks
     go first, shortest ``size`` first, then its later chunks in ``number`` order; a non-streamed one
     ``(1, rank, number)`` comes after those, lowest ``(rank, number)`` first.
     """

@@ -1,4 +1,4 @@
-"""The server's admission by expected work (``serving.admission``): estimate, refuse, track, learn.
+"""The server's admission by expected work (``server.admission``): estimate, refuse, track, learn.
 
 ``ServerWork.admit`` runs after a request's text has been planned (its segments tokenised) and before
 it waits for a synthesis slot: it refuses with 503 + ``Retry-After`` (or 413 when the text could
@@ -21,9 +21,9 @@ from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..serving.admission import AdmittedJob, Refusal, SpeedModel, WorkAdmission, render_priority
 from ..synthesis import AudioChunk
 from .access_log import REASON_KEY
+from .admission import AdmittedJob, Refusal, SpeedModel, WorkAdmission, render_priority
 from .errors import APIError
 from .metrics import Metrics
 from .settings import ServerSettings

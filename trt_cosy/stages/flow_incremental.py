@@ -28,15 +28,14 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import numpy as np
 
-from ..config import EstimatorConfig
-from ..models.v3.config import DiTConfig
 from ..runtime.base import Runner
 from ..runtime.device_blocks import DeviceBlocks
+from ..runtime.incremental_profiles import DEFAULT_LIMIT_BYTES
 from ..runtime.profiles import GraphProfiles
 
 __all__ = [
@@ -52,28 +51,20 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-DEFAULT_LIMIT_BYTES: Final = 2 << 30  # 2 GiB per segment: ~1870 frames (37 s of prompt + speech) at full size
 DEFAULT_VOICE_SLOTS: Final = (
     2  # voices whose prompt prefix ``VoicePrefixes`` keeps (~220 MiB each, 5 s prompt)
 )
-_TAIL: Final = 2  # causal kernel 3 - 1 (CosyVoice2)
 
 
-def cache_layout(config: EstimatorConfig | DiTConfig) -> tuple[int, int, int]:
-    """(transformer blocks L, width D, summed causal-convolution input channels C) of the estimator:
-    the v2 U-Net's, or the v3 DiT's (its two conv position embedding convolutions: C = 2·dim)."""
-    if isinstance(config, DiTConfig):
-        return config.depth, config.dim, 2 * config.dim
-    width = config.channels[0]
-    blocks = config.n_blocks * (config.num_mid_blocks + 2)
-    # down: block1 (in_channels), block2, conv; mid: 2 each; up: block1 (2W), block2, conv; final block.
-    channels = config.in_channels + 2 * width + 2 * width * config.num_mid_blocks + 2 * width + 3 * width
-    return blocks, width, channels
+def cache_layout(config: Any) -> tuple[int, int, int]:
+    """(transformer blocks L, width D, summed causal-convolution input channels C) of an estimator
+    config (``EstimatorConfig``: the v2 U-Net; ``DiTConfig``: the v3 DiT)."""
+    return config.cache_layout()
 
 
-def cache_tail(config: EstimatorConfig | DiTConfig) -> int:
+def cache_tail(config: Any) -> int:
     """Input frames each causal convolution needs from before a chunk: kernel - 1 (2; v3: 30)."""
-    return config.conv_pos_kernel - 1 if isinstance(config, DiTConfig) else _TAIL
+    return config.cache_tail()
 
 
 class FlowCache:
@@ -90,7 +81,7 @@ class FlowCache:
 
     def __init__(
         self,
-        config: EstimatorConfig | DiTConfig,
+        config: Any,
         steps: int,
         limit_bytes: int = DEFAULT_LIMIT_BYTES,
         max_frames: int | None = None,
@@ -109,7 +100,7 @@ class FlowCache:
         tail = cache_tail(config)
         self._tails = np.zeros((steps, 2, self.channels, tail), np.float32)  # [steps, 2, C, K-1]
         self._mel = np.zeros((1, 80, 0), np.float32)  # [1, 80, frames] finished mel
-        # On TensorRT the blocks live on the device instead (``_solve_on_device``): per step only the
+        # On TensorRT the blocks live on the device instead (``_device_velocity``): per step only the
         # new frames' inputs and outputs cross, never the cache (issue 29 item 1).
         self.device: DeviceBlocks | None = None
 
@@ -293,12 +284,33 @@ def solve_euler_incremental(
     Returns:
         The mel [1, 80, T] (cached frames ++ new frames), float32; the cache then holds all T.
     """
+    new = slice(cache.frames, mu.shape[2])
     if callable(getattr(runner, "enqueue", None)):  # TensorRT: the cache stays on the device
-        return _solve_on_device(runner, cache, mu, spks, cond, noise, t_span, cfg_rate)
-    past = cache.frames
-    new = slice(past, mu.shape[2])
-    x = np.array(noise[:, :, new], dtype=np.float32)  # [1, 80, n]
-    frames = x.shape[2]
+        velocity = _device_velocity(runner, cache, new.stop - new.start)
+    else:
+        velocity = _host_velocity(runner, cache)
+    x = _euler_steps(velocity, noise[:, :, new], _guided_feed(mu, spks, cond, new), t_span, cfg_rate)
+    return cache.finish(x)
+
+
+VelocityOf = Callable[[int, dict[str, np.ndarray]], np.ndarray]
+
+
+def _host_velocity(runner: Runner, cache: FlowCache) -> VelocityOf:
+    """The estimator call of one Euler step with the block cache on the host (``FlowCache.past``/``extend``)."""
+
+    def velocity(step: int, feed: dict[str, np.ndarray]) -> np.ndarray:
+        feed["past_blocks"], feed["past_tails"] = cache.past(step)
+        out = _infer(runner, feed)
+        cache.extend(step, out["new_blocks"], out["new_tails"])
+        return out["estimator_out"]  # [2, 80, n]
+
+    return velocity
+
+
+def _guided_feed(mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, new: slice) -> dict[str, np.ndarray]:
+    """The estimator's CFG batch over the new frames: row 0 conditioned, row 1 zeros (x and t per step)."""
+    frames = new.stop - new.start
     feed: dict[str, np.ndarray] = {
         "x": np.zeros((2, mu.shape[1], frames), np.float32),  # [2, 80, n]
         "mu": np.zeros((2, mu.shape[1], frames), np.float32),
@@ -309,40 +321,38 @@ def solve_euler_incremental(
     feed["mu"][0] = mu[0, :, new]
     feed["spks"][0] = spks[0]
     feed["cond"][0] = cond[0, :, new]
+    return feed
+
+
+def _euler_steps(
+    velocity_of: VelocityOf, noise: np.ndarray, feed: dict[str, np.ndarray], t_span: np.ndarray, cfg_rate: float
+) -> np.ndarray:
+    """The Euler loop of ``solve_euler`` in its float32 arithmetic, step for step, from ``noise`` [1, 80, n];
+    ``velocity_of(step, feed)`` runs the estimator on ``feed`` (x and t set) for step 0, 1, ... and
+    returns its CFG batch [2, 80, n]. Returns x [1, 80, n] float32."""
+    x = np.array(noise, dtype=np.float32)  # [1, 80, n]
     guided, unguided = np.float32(1.0 + cfg_rate), np.float32(cfg_rate)
     steps = t_span.shape[0] - 1
     t = t_span[0]
     dt = t_span[1] - t_span[0]
-    for step in range(1, steps + 1):  # the float32 arithmetic of solve_euler, step for step
+    for step in range(1, steps + 1):
         feed["x"][:] = x[0]
         feed["t"][:] = t
-        feed["past_blocks"], feed["past_tails"] = cache.past(step - 1)
-        out = _infer(runner, feed)
-        velocity = out["estimator_out"]  # [2, 80, n]
-        cache.extend(step - 1, out["new_blocks"], out["new_tails"])
+        velocity = velocity_of(step - 1, feed)  # [2, 80, n]
         velocity = guided * velocity[0:1] - unguided * velocity[1:2]  # [1, 80, n]
         x = x + dt * velocity
         t = t + dt
         if step < steps:
             dt = t_span[step + 1] - t
-    return cache.finish(x.astype(np.float32, copy=False))
+    return x.astype(np.float32, copy=False)
 
 
 def _infer(runner: Runner, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return runner.infer({name: feed[name] for name in runner.input_names})
 
 
-def _solve_on_device(
-    runner: Any,
-    cache: FlowCache,
-    mu: np.ndarray,
-    spks: np.ndarray,
-    cond: np.ndarray,
-    noise: np.ndarray,
-    t_span: np.ndarray,
-    cfg_rate: float,
-) -> np.ndarray:
-    """``solve_euler_incremental`` on a ``TrtRunner`` with the block cache in device memory.
+def _device_velocity(runner: Any, cache: FlowCache, frames: int) -> VelocityOf:
+    """The estimator call of one Euler step on a ``TrtRunner`` with the block cache in device memory.
 
     Per Euler step: ``past_blocks`` is bound to the step's ``DeviceBlocks`` store (no copy), the
     plan's ``new_blocks`` are appended to it device to device, and only x/mu/t/spks/cond of the new
@@ -356,48 +366,26 @@ def _solve_on_device(
             _upload_host_blocks(runner, cache)
             cache._shared, cache._blocks = [], []
     store = cache.device
-    new = slice(cache.frames, mu.shape[2])
-    x = np.array(noise[:, :, new], dtype=np.float32)  # [1, 80, n]
-    frames = x.shape[2]
-    feed: dict[str, np.ndarray] = {
-        "x": np.zeros((2, mu.shape[1], frames), np.float32),  # [2, 80, n]
-        "mu": np.zeros((2, mu.shape[1], frames), np.float32),
-        "t": np.zeros((2,), np.float32),
-        "spks": np.zeros((2, spks.shape[1]), np.float32),
-        "cond": np.zeros((2, cond.shape[1], frames), np.float32),
-    }
-    feed["mu"][0] = mu[0, :, new]
-    feed["spks"][0] = spks[0]
-    feed["cond"][0] = cond[0, :, new]
-    guided, unguided = np.float32(1.0 + cfg_rate), np.float32(cfg_rate)
-    steps = t_span.shape[0] - 1
-    t = t_span[0]
-    dt = t_span[1] - t_span[0]
-    for step in range(1, steps + 1):  # the float32 arithmetic of solve_euler, step for step
-        feed["x"][:] = x[0]
-        feed["t"][:] = t
-        feed["past_tails"] = cache._tails[step - 1]
-        held = store.frames[step - 1]
+
+    def velocity(step: int, feed: dict[str, np.ndarray]) -> np.ndarray:
+        feed["past_tails"] = cache._tails[step]
+        held = store.frames[step]
         shapes = {name: value.shape for name, value in feed.items()}
         shapes["past_blocks"] = (held, cache.blocks, 2, cache.width)  # [P, L, 2, D]
         with runner.slot() as index:
             stream = runner.stream(index)
-            store.reserve(step - 1, held + frames, stream)  # before the launch: the buffer may move
+            store.reserve(step, held + frames, stream)  # before the launch: the buffer may move
             runner.set_shapes(shapes, slot=index)
             runner.copy_inputs(feed, slot=index, bound=("past_blocks",))
-            runner.enqueue(slot=index, addresses={"past_blocks": store.ptr(step - 1)})
+            runner.enqueue(slot=index, addresses={"past_blocks": store.ptr(step)})
             produced, shape, _ = runner.device_tensor("new_blocks", index)
-            store.append(step - 1, produced, int(shape[0]), stream)
+            store.append(step, produced, int(shape[0]), stream)
             views = runner.copy_outputs(slot=index, names=("estimator_out", "new_tails"))
             stream.synchronize()
-            velocity = np.array(views["estimator_out"], copy=True)  # [2, 80, n]
-            cache._tails[step - 1] = views["new_tails"]
-        velocity = guided * velocity[0:1] - unguided * velocity[1:2]  # [1, 80, n]
-        x = x + dt * velocity
-        t = t + dt
-        if step < steps:
-            dt = t_span[step + 1] - t
-    return cache.finish(x.astype(np.float32, copy=False))
+            cache._tails[step] = views["new_tails"]
+            return np.array(views["estimator_out"], copy=True)  # [2, 80, n]
+
+    return velocity
 
 
 def _upload_host_blocks(runner: Any, cache: FlowCache) -> None:

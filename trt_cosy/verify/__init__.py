@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, require
+from ..errors import InputError
 from ..runtime.model import LoadedModel
 from .conversion import CONVERSION_PREFIX
 from .golden import Comparison, GoldenSet, compare
 
-__all__ = ["load_backend", "run_verify", "compute_outputs", "compare_outputs", "format_table"]
+__all__ = ["run_verify", "compute_outputs", "compare_outputs", "format_table"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -32,28 +31,9 @@ _SKIPPED: dict[str, str] = {
 }
 
 
-def load_backend(backend: str, model_dir: Path, engines: Path | None, threads: int | None) -> LoadedModel:
-    """Load the model for ``backend``: ``torch`` runs our reference modules on the checkpoint."""
-    if backend == "torch":
-        require("torch", "build")
-        from ..builder.reference import load_torch_model
-
-        return load_torch_model(model_dir, threads=threads)
-    from ..models.registry import family_of_release
-
-    family_of_release(model_dir)  # a missing or unknown release directory is refused first
-    if engines is None:
-        raise InputError(f"--backend {backend} needs --engines DIR (built with `trt-cosy build`).")
-    if backend not in ("onnxruntime", "tensorrt", "openvino", "mixed"):
-        raise InputError(f"unknown backend {backend!r}; use torch, onnxruntime, tensorrt, openvino or mixed.")
-    from ..runtime.engines import load_engines
-
-    return load_engines(engines, threads=threads, model_dir=model_dir, backend=backend)
-
-
 def compute_outputs(model: LoadedModel, golden: GoldenSet) -> tuple[dict[str, Any], dict[str, str]]:
     """Run each stage on the golden inputs (noise injected): (our outputs by golden key, skipped keys)."""
-    from ..models.registry import FAMILIES, family_of  # the families' drivers import this package
+    from ..family_lookup import FAMILIES, family_of  # the families' drivers import this package
 
     family = family_of(model.config)
     golden_name = golden.meta.get("family", "v2")  # the CosyVoice2 golden set predates the field

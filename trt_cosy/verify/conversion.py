@@ -60,7 +60,7 @@ def _voices(golden: GoldenSet, run: str, sample_rate: int) -> tuple[np.ndarray, 
 
 def run_conversion(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
     """``conversion:<run>_wav`` for each golden run with a flow prompt."""
-    from ..models.registry import family_of  # the families' drivers import this package
+    from ..family_lookup import family_of  # the families' drivers import this package
 
     family = family_of(model.config)
     stages = family.build_stages(model, 0)  # each request decodes alone (no LLM runs here anyway)

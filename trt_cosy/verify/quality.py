@@ -25,7 +25,7 @@ from typing import Final
 
 import numpy as np
 
-from ..models.registry import family_of
+from ..family_lookup import family_of
 from ..runtime.model import LoadedModel
 from ..stages.sampling import log_softmax
 

@@ -2,7 +2,7 @@
 
 Applied by ``build_engines`` to the fp32 graphs of a staging directory (``quantize_engines``), after
 their export was checked against torch. What each precision changes (docs/precision.md), for every
-family (CosyVoice 1, 2, 3; ``QUANTIZED_GRAPHS``):
+family (CosyVoice 1, 2, 3; ``Family.quantized_graphs``):
 
 * ``int4``: the LLM's weights 4-bit (``MatMulNBits``, symmetric, block 128, int8 compute), the flow
   estimators' MatMul weights int8 (dynamic, per-channel; v1/v2 U-Net, v3 DiT), the U-Net estimator's
@@ -38,18 +38,14 @@ import onnx
 from onnx import helper
 
 from ...errors import InputError
-from ...models.registry import family_named
-from ...models.v1 import graphs as graphs_v1
-from ...models.v3 import graphs as graphs_v3
+from ...family_lookup import FAMILIES, family_named
 from ...runtime import graphs
 from ..onnx.files import save_onnx
 from ..quiet_logs import quiet_logger
-from .vocoder_int8 import VOCODER_GRAPHS
 
 __all__ = [
     "QUANTIZED_PRECISIONS",
     "QUANTIZABLE_FAMILIES",
-    "QUANTIZED_GRAPHS",
     "VOCODER_METHOD",
     "StagePlan",
     "precision_plan",
@@ -71,21 +67,11 @@ QUANTIZED_PRECISIONS: Final = ("int8", "int4")
 # HiFT is Conv/Sin-bound and its waveform the most sensitive output.
 # "dit": the estimator's int8 MatMuls plus 8-bit weight-only modulation weights (the v3 DiT, whose
 # AdaLN linears run on the time embedding only: 2 rows, memory-bound; 567 MB of fp32 weights at full size).
-_ESTIMATORS_V2: Final = (graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name)
 # "vocoder": HiFT's residual-block convolutions int8, calibrated (builder/quantize/vocoder_int8.py).
-QUANTIZED_GRAPHS: Final = {
-    "v1": {graphs_v1.V1_LLM.name: "llm", graphs_v1.V1_FLOW_ESTIMATOR.name: "estimator"}
-    | dict.fromkeys(VOCODER_GRAPHS["v1"], "vocoder"),
-    "v2": {graphs.LLM.name: "llm"}
-    | dict.fromkeys(_ESTIMATORS_V2, "estimator")
-    | dict.fromkeys(VOCODER_GRAPHS["v2"], "vocoder"),
-    "v3": {graphs_v3.LLM.name: "llm"}
-    | dict.fromkeys(_ESTIMATORS_V2, "dit")
-    | dict.fromkeys(VOCODER_GRAPHS["v3"], "vocoder"),
-}
+# Which graph has which role is the family's (``Family.quantized_graphs``).
 VOCODER_METHOD: Final = "int8conv"  # calibrated through the flow: vocoder_int8.quantize_vocoders
 # Model families whose graph sets precision_plan() knows (config.family values).
-QUANTIZABLE_FAMILIES: Final = frozenset(QUANTIZED_GRAPHS)
+QUANTIZABLE_FAMILIES: Final = frozenset(FAMILIES)
 _NBITS_BLOCK: Final = 32  # MatMulNBits block along K: the int8 LLM, the v3 DiT's 8-bit AdaLN weights
 # The int4 LLM's: blocks of 128. Side by side against 32 (tools/experiments/decode/llm_step_variants.py, docs/benchmarks.md)
 # the decode step is 17-31 % faster at every batch size; the quality guard passes on every family's
@@ -116,8 +102,8 @@ def precision_plan(precision: str, family: str) -> tuple[StagePlan, ...]:
     of ``family``'s graph set (``"v1"``, ``"v2"``, ``"v3"``), in the set's order."""
     from ...runtime.engines import graph_specs
 
-    if family not in QUANTIZED_GRAPHS:
-        known = ", ".join(sorted(QUANTIZED_GRAPHS))
+    if family not in QUANTIZABLE_FAMILIES:
+        known = ", ".join(sorted(QUANTIZABLE_FAMILIES))
         raise InputError(f"model family {family!r} is unknown; precisions are planned for {known}.")
     names = tuple(graph_specs(family))
     if precision == "fp32":
@@ -131,7 +117,7 @@ def precision_plan(precision: str, family: str) -> tuple[StagePlan, ...]:
         "vocoder": VOCODER_METHOD,
         None: "fp32",
     }
-    roles = QUANTIZED_GRAPHS[family]
+    roles = family_named(family).quantized_graphs
     qwen_llm = family_named(family).qwen_llm  # RMSNorm fusion before n-bit quantisation: Qwen2 LLMs only
     blocks = {"llm": _INT4_LLM_BLOCK if precision == "int4" else _NBITS_BLOCK, "dit": _NBITS_BLOCK}
     return tuple(

@@ -86,7 +86,7 @@ def estimator_calibration_feeds(
 ) -> list[Feed]:
     """The feeds the family's flow stage gives ``graph`` for ``utterances`` seeded utterances of
     ``model`` (a ``LoadedModel``; every solver step), then each of them in the log-mel range."""
-    from ...models.registry import family_of
+    from ...family_lookup import family_of
     from ...verify.quality import QualityInputs
 
     feeds = family_of(model.config).quality

@@ -70,7 +70,7 @@ def calibration_feeds(
     """The feeds the family's vocoder stage gives ``graph`` for ``utterances`` seeded utterances of
     ``model`` (a ``LoadedModel``): random speech tokens, the checkpoint's flow, its own vocoder draws;
     after each, a log-mel-range input through the same stage."""
-    from ...models.registry import family_of
+    from ...family_lookup import family_of
     from ...verify.quality import QualityInputs
 
     feeds = family_of(model.config).quality

@@ -35,8 +35,7 @@ import numpy as np
 
 from ...config import ModelConfig
 from ...errors import EngineMismatchError, InputError, TrtCosyError
-from ...models.registry import family_named
-from ...models.v1.config import V1ModelConfig
+from ...family_lookup import family_named
 from ...runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL
 from ...runtime.incremental_profiles import incremental_profiles
 from ...runtime.llm_decode import LLM_DECODE_NAME
@@ -102,7 +101,7 @@ def graph_file(graph: str, precision: str) -> str:
 
 def prepare_trt_graphs(
     engines_dir: Path,
-    config: ModelConfig | V1ModelConfig,
+    config: Any,
     checkpoint_hashes: Mapping[str, str],
     precision: str = "fp16",
     *,
@@ -152,7 +151,7 @@ def prepare_trt_graphs(
     return summary
 
 
-def _export_feeds(name: str, config: ModelConfig | V1ModelConfig) -> list[dict[str, Any]]:
+def _export_feeds(name: str, config: Any) -> list[dict[str, Any]]:
     """The export's sample and parity feeds of graph ``name`` (calibration and fp16-vs-fp32 check)."""
     from ..registry import build_family_of  # torch: build time only
 
@@ -173,7 +172,7 @@ def _export_feeds(name: str, config: ModelConfig | V1ModelConfig) -> list[dict[s
 def _prepare_graph(
     engines_dir: Path,
     name: str,
-    config: ModelConfig | V1ModelConfig,
+    config: Any,
     precision: str,
     measure: bool,
     emit: Progress,

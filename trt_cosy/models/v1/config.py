@@ -21,6 +21,7 @@ from ...config import (
     HiFTConfig,
     MelConfig,
     SpeechSampling,
+    estimator_config,
     hift_fields,
 )
 from ...errors import ModelDirError
@@ -197,16 +198,7 @@ def _v1_from_yaml(doc: dict[str, Any], source: Path) -> V1ModelConfig:
         spk_embed_dim=int(flow.get("spk_embed_dim", 192)),
         input_frame_rate=int(flow.get("input_frame_rate", 50)),
         encoder=_encoder(_node(flow, "encoder", "ConformerEncoder", source), int(flow["input_size"])),
-        estimator=EstimatorConfig(
-            in_channels=int(estimator["in_channels"]),
-            out_channels=int(estimator["out_channels"]),
-            channels=tuple(int(c) for c in estimator["channels"]),
-            attention_head_dim=int(estimator["attention_head_dim"]),
-            n_blocks=int(estimator["n_blocks"]),
-            num_mid_blocks=int(estimator["num_mid_blocks"]),
-            num_heads=int(estimator["num_heads"]),
-            static_chunk_size=0,
-        ),
+        estimator=estimator_config(estimator, static_chunk_size=0),
         regulator_channels=int(regulator["channels"]),
         regulator_stages=len(regulator.get("sampling_ratios", [1, 1, 1, 1])),
         cfm=CFMConfig(

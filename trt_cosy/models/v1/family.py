@@ -28,7 +28,6 @@ from ...errors import InputError
 from ...frontend.tokenizer import ENDOFPROMPT
 from ...frontend.voice import Voice, VoiceBuilder
 from ...pipeline import Request
-from ...pipeline_families import V1Request, V1Stages
 from ...runtime.base import Runner
 from ...runtime.graphs import GraphSpec
 from ...runtime.model import LoadedModel
@@ -36,6 +35,8 @@ from ...synthesis import LLMPrompt
 from ..family import Family, QualityFeeds
 from .config import V1ModelConfig, v1_config_from_release_dir
 from .graphs import V1_FLOW_ENCODER, V1_FLOW_ESTIMATOR, V1_GRAPHS, V1_HIFT, V1_LLM, V1_TEXT_ENCODER
+from .profiles import v1_profiles
+from .request import V1Request, V1Stages
 from .stages import RandomDraws, V1FlowStage, V1LLMStage, V1Synthesizer
 from .tokenizer import WhisperTextTokenizer
 from .verify import run_flow_v1, run_hift_v1, run_llm_v1
@@ -118,6 +119,8 @@ class V1Family(Family):
     trt_step_graphs = False  # its own flow stage (V1FlowStage) runs the estimator plan per step
     fixed_flow_noise = False  # v1 draws fresh CFM noise per call
     quality = V1QualityFeeds()
+    quantized_graphs = {V1_LLM.name: "llm", V1_FLOW_ESTIMATOR.name: "estimator", V1_HIFT.name: "vocoder"}
+    profile_builder = staticmethod(v1_profiles)
 
     @property
     def graphs(self) -> Mapping[str, GraphSpec]:

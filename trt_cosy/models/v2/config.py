@@ -9,13 +9,13 @@ from ...config import (
     QWEN_DIR,
     YAML_BY_FAMILY,
     CFMConfig,
-    EstimatorConfig,
     FlowConfig,
     FlowEncoderConfig,
     HiFTConfig,
     LLMConfig,
     ModelConfig,
     QwenConfig,
+    estimator_config,
     hift_fields,
     mel_config_from_yaml,
     yaml_child,
@@ -24,7 +24,7 @@ from ...config import (
 from ...errors import ModelDirError
 from ...hyperyaml import Tagged, load_hyperyaml
 
-__all__ = ["v2_config_from_release_dir"]
+__all__ = ["qwen_llm_config", "release_fields", "v2_config_from_release_dir"]
 
 
 def v2_config_from_release_dir(model_dir: Path) -> ModelConfig:
@@ -45,31 +45,16 @@ def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelC
         cfm = yaml_child(flow, "decoder", "CausalConditionalCFM", source)
         estimator = yaml_child(cfm, "estimator", "CausalConditionalDecoder", source)
         f0 = yaml_child(hift, "f0_predictor", "ConvRNNF0Predictor", source)
-        sampling = llm.get("sampling")
-        sampling_kwargs = sampling.kwargs if isinstance(sampling, Tagged) else {}
         cfm_params = cfm.get("cfm_params")
         cfm_values = cfm_params.kwargs.get("content", {}) if isinstance(cfm_params, Tagged) else {}
-        token_mel_ratio = int(doc.get("token_mel_ratio", flow.get("token_mel_ratio", 2)))
-        llm_config = LLMConfig(
-            qwen=qwen,
-            llm_input_size=int(llm["llm_input_size"]),
-            speech_token_size=int(llm.get("speech_token_size", 6561)),
-            top_p=float(sampling_kwargs.get("top_p", 0.8)),
-            top_k=int(sampling_kwargs.get("top_k", 25)),
-            win_size=int(sampling_kwargs.get("win_size", 10)),
-            tau_r=float(sampling_kwargs.get("tau_r", 0.1)),
-        )
-        if llm_config.llm_input_size != qwen.hidden_size:
-            raise ModelDirError(
-                f"{source}: llm_input_size {llm_config.llm_input_size} differs from the Qwen2 "
-                f"hidden_size {qwen.hidden_size} in {QWEN_DIR}/config.json; the files do not belong together."
-            )
+        shared = release_fields(doc, flow)
+        llm_config = qwen_llm_config(llm, qwen, source)
         flow_config = FlowConfig(
             vocab_size=int(flow["vocab_size"]),
             input_size=int(flow["input_size"]),
             output_size=int(flow["output_size"]),
             spk_embed_dim=int(flow["spk_embed_dim"]),
-            token_mel_ratio=token_mel_ratio,
+            token_mel_ratio=shared["token_mel_ratio"],
             encoder=FlowEncoderConfig(
                 input_size=int(encoder["input_size"]),
                 output_size=int(encoder["output_size"]),
@@ -79,16 +64,7 @@ def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelC
                 static_chunk_size=int(encoder.get("static_chunk_size", 25)),
                 pre_lookahead_len=int(flow.get("pre_lookahead_len", 3)),
             ),
-            estimator=EstimatorConfig(
-                in_channels=int(estimator["in_channels"]),
-                out_channels=int(estimator["out_channels"]),
-                channels=tuple(int(c) for c in estimator["channels"]),
-                attention_head_dim=int(estimator["attention_head_dim"]),
-                n_blocks=int(estimator["n_blocks"]),
-                num_mid_blocks=int(estimator["num_mid_blocks"]),
-                num_heads=int(estimator["num_heads"]),
-                static_chunk_size=int(estimator.get("static_chunk_size", 50)),
-            ),
+            estimator=estimator_config(estimator),
             cfm=CFMConfig(
                 inference_cfg_rate=float(cfm_values.get("inference_cfg_rate", 0.7)),
                 t_scheduler=str(cfm_values.get("t_scheduler", "cosine")),
@@ -102,12 +78,43 @@ def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelC
         ) from exc
     return ModelConfig(
         family="v2",
-        sample_rate=int(doc.get("sample_rate", 24000)),
-        token_frame_rate=int(doc.get("token_frame_rate", 25)),
-        token_mel_ratio=token_mel_ratio,
-        chunk_size=int(doc.get("chunk_size", 25)),
+        **shared,
         llm=llm_config,
         flow=flow_config,
         hift=hift_config,
         mel=mel_config,
     )
+
+
+def release_fields(doc: dict[str, Any], flow: Tagged) -> dict[str, int]:
+    """The ``ModelConfig`` rates CosyVoice2 and 3 read alike: sample rate, token frame rate, token/mel
+    ratio and chunk size, with the releases' values where a (trimmed) yaml leaves them out."""
+    return {
+        "sample_rate": int(doc.get("sample_rate", 24000)),
+        "token_frame_rate": int(doc.get("token_frame_rate", 25)),
+        "token_mel_ratio": int(doc.get("token_mel_ratio", flow.get("token_mel_ratio", 2))),
+        "chunk_size": int(doc.get("chunk_size", 25)),
+    }
+
+
+def qwen_llm_config(llm: Tagged, qwen: QwenConfig, source: Path, num_speech_specials: int = 3) -> LLMConfig:
+    """The Qwen2 LLM's config (CosyVoice2 and 3) with its RAS sampling settings; refuses a yaml whose
+    ``llm_input_size`` is not the backbone's hidden size."""
+    sampling = llm.get("sampling")
+    values = sampling.kwargs if isinstance(sampling, Tagged) else {}
+    config = LLMConfig(
+        qwen=qwen,
+        llm_input_size=int(llm["llm_input_size"]),
+        speech_token_size=int(llm.get("speech_token_size", 6561)),
+        num_speech_specials=num_speech_specials,
+        top_p=float(values.get("top_p", 0.8)),
+        top_k=int(values.get("top_k", 25)),
+        win_size=int(values.get("win_size", 10)),
+        tau_r=float(values.get("tau_r", 0.1)),
+    )
+    if config.llm_input_size != qwen.hidden_size:
+        raise ModelDirError(
+            f"{source}: llm_input_size {config.llm_input_size} differs from the Qwen2 hidden_size "
+            f"{qwen.hidden_size} in {QWEN_DIR}/config.json; the files do not belong together."
+        )
+    return config

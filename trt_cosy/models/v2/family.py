@@ -31,6 +31,7 @@ from ...synthesis import LLMPrompt
 from ...verify.stages import run_flow, run_hift, run_llm
 from ..family import Family, QualityFeeds
 from .config import v2_config_from_release_dir
+from .profiles import v2_profiles
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -106,6 +107,10 @@ class V2Family(Family):
     incremental_estimator = "unet"
     openvino_incremental = True
     quality = V2QualityFeeds()
+    quantized_graphs = {graphs.LLM.name: "llm", graphs.HIFT.name: "vocoder"} | dict.fromkeys(
+        (graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name), "estimator"
+    )
+    profile_builder = staticmethod(v2_profiles)
 
     @property
     def graphs(self) -> Mapping[str, GraphSpec]:

@@ -28,11 +28,13 @@ from ...config import (
     ModelConfig,
     QwenConfig,
     hift_fields,
+    mel_config_from_yaml,
     yaml_child,
     yaml_node,
 )
 from ...errors import ModelDirError
 from ...hyperyaml import Tagged, load_hyperyaml
+from ..v2.config import qwen_llm_config, release_fields
 
 __all__ = [
     "V3_SPEECH_SPECIALS",
@@ -95,6 +97,15 @@ class DiTConfig:
     def in_channels(self) -> int:
         """Width of the concatenated input ``[x, cond, mu, spks]`` (320 for the release)."""
         return 2 * self.mel_dim + self.mu_dim + self.spk_dim
+
+    def cache_layout(self) -> tuple[int, int, int]:
+        """The incremental estimator's cache: (DiT blocks L, width D, causal-convolution input channels C:
+        the two conv position embedding convolutions, 2·dim)."""
+        return self.depth, self.dim, 2 * self.dim
+
+    def cache_tail(self) -> int:
+        """Input frames each causal convolution needs from before a chunk: kernel 31 - 1."""
+        return self.conv_pos_kernel - 1
 
 
 @dataclass(frozen=True)
@@ -168,39 +179,19 @@ def _v3_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> V3Mode
     llm = yaml_node(doc, "llm", "CosyVoice3LM", source, _FAMILY)
     flow = yaml_node(doc, "flow", "CausalMaskedDiffWithDiT", source, _FAMILY)
     hift = yaml_node(doc, "hift", "CausalHiFTGenerator", source, _FAMILY)
-    token_mel_ratio = int(doc.get("token_mel_ratio", flow.get("token_mel_ratio", 2)))
+    shared = release_fields(doc, flow)
     return V3ModelConfig(
         family="v3",
-        sample_rate=int(doc.get("sample_rate", 24000)),
-        token_frame_rate=int(doc.get("token_frame_rate", 25)),
-        token_mel_ratio=token_mel_ratio,
-        chunk_size=int(doc.get("chunk_size", 25)),
+        **shared,
         llm=_llm_config(llm, qwen, source),
-        flow=_flow_config(flow, token_mel_ratio, source),
+        flow=_flow_config(flow, shared["token_mel_ratio"], source),
         hift=_hift_config(hift, source),
         mel=_mel_config(doc),
     )
 
 
 def _llm_config(llm: Tagged, qwen: QwenConfig, source: Path) -> LLMConfig:
-    sampling = llm.get("sampling")
-    values = sampling.kwargs if isinstance(sampling, Tagged) else {}
-    config = LLMConfig(
-        qwen=qwen,
-        llm_input_size=int(llm["llm_input_size"]),
-        speech_token_size=int(llm.get("speech_token_size", 6561)),
-        num_speech_specials=V3_SPEECH_SPECIALS,
-        top_p=float(values.get("top_p", 0.8)),
-        top_k=int(values.get("top_k", 25)),
-        win_size=int(values.get("win_size", 10)),
-        tau_r=float(values.get("tau_r", 0.1)),
-    )
-    if config.llm_input_size != qwen.hidden_size:
-        raise ModelDirError(
-            f"{source}: llm_input_size {config.llm_input_size} differs from the Qwen2 hidden_size "
-            f"{qwen.hidden_size} in {QWEN_DIR}/config.json; the files do not belong together."
-        )
-    return config
+    return qwen_llm_config(llm, qwen, source, num_speech_specials=V3_SPEECH_SPECIALS)
 
 
 def _flow_config(flow: Tagged, token_mel_ratio: int, source: Path) -> V3FlowConfig:
@@ -258,18 +249,4 @@ def _hift_config(hift: Tagged, source: Path) -> CausalHiFTConfig:
 
 def _mel_config(doc: dict[str, Any]) -> MelConfig:
     """``feat_extractor``; absent (trimmed yamls) -> the v3 release settings (``fmax: null``)."""
-    node = doc.get("feat_extractor")
-    if not isinstance(node, Tagged):
-        _LOGGER.debug("yaml has no feat_extractor; using the CosyVoice3 release mel settings")
-        return MelConfig(fmax=None)
-    fmax = node.get("fmax")
-    return MelConfig(
-        n_fft=int(node.get("n_fft", 1920)),
-        num_mels=int(node.get("num_mels", 80)),
-        sampling_rate=int(node.get("sampling_rate", 24000)),
-        hop_size=int(node.get("hop_size", 480)),
-        win_size=int(node.get("win_size", 1920)),
-        fmin=float(node.get("fmin", 0)),
-        fmax=None if fmax is None else float(fmax),
-        center=bool(node.get("center", False)),
-    )
+    return mel_config_from_yaml(doc, release=MelConfig(fmax=None), family="CosyVoice3")

@@ -24,15 +24,17 @@ import numpy as np
 from ...frontend.tokenizer import ENDOFPROMPT
 from ...frontend.voice import Voice
 from ...pipeline import Request
-from ...pipeline_families import V3Request, V3Stages
 from ...runtime.graphs import GraphSpec
 from ...runtime.model import LoadedModel
 from ...stages.flow import FlowStage
 from ...stages.llm import LLMStage
 from ...synthesis import LLMPrompt
 from ..v2.family import V2Family, V2QualityFeeds
+from . import graphs as graphs_v3
 from .config import V3ModelConfig, v3_config_from_release_dir
 from .graphs import GRAPHS_V3
+from .profiles import v3_profiles
+from .request import V3Request, V3Stages
 from .stages import V3VocoderStage
 from .verify import run_flow_v3, run_hift_v3, run_llm_v3
 
@@ -68,6 +70,13 @@ class V3Family(V2Family):
     incremental_estimator = "dit"
     openvino_incremental = False  # its DiT's incremental graph runs on ONNX Runtime only
     quality = V3QualityFeeds()
+    # The DiT's estimators: int8 MatMuls plus 8-bit weight-only modulation weights; both causal HiFTs.
+    quantized_graphs = (
+        V2Family.quantized_graphs
+        | dict.fromkeys((graphs_v3.FLOW_ESTIMATOR.name, graphs_v3.FLOW_ESTIMATOR_STREAM.name), "dit")
+        | dict.fromkeys((graphs_v3.HIFT_V3.name, graphs_v3.HIFT_V3_STREAM.name), "vocoder")
+    )
+    profile_builder = staticmethod(v3_profiles)
 
     @property
     def graphs(self) -> Mapping[str, GraphSpec]:

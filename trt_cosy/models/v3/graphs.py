@@ -19,7 +19,14 @@ from __future__ import annotations
 
 from typing import Final
 
-from ...runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, LLM, GraphSpec, TensorSpec
+from ...runtime.graphs import (
+    FLOW_ESTIMATOR,
+    FLOW_ESTIMATOR_STREAM,
+    LLM,
+    GraphSpec,
+    TensorSpec,
+    incremental_estimator_spec,
+)
 
 __all__ = [
     "FLOW_ENCODER_V3",
@@ -47,23 +54,7 @@ FLOW_ENCODER_V3: Final = GraphSpec(
 
 # One chunk-attention Euler step on the T new frames; P completed frames (a multiple of 50) as
 # per-block modulated attention inputs (L = depth, D = dim) and the conv position embedding's tails.
-FLOW_ESTIMATOR_INCREMENTAL_V3: Final = GraphSpec(
-    "flow_estimator_incremental",
-    inputs=(
-        TensorSpec("x", "float32", (2, 80, "T")),
-        TensorSpec("mu", "float32", (2, 80, "T")),
-        TensorSpec("t", "float32", (2,)),
-        TensorSpec("spks", "float32", (2, 80)),
-        TensorSpec("cond", "float32", (2, 80, "T")),
-        TensorSpec("past_blocks", "float32", ("P", "L", 2, "D")),
-        TensorSpec("past_tails", "float32", (2, "2D", 30)),
-    ),
-    outputs=(
-        TensorSpec("estimator_out", "float32", (2, 80, "T")),
-        TensorSpec("new_blocks", "float32", ("T", "L", 2, "D")),
-        TensorSpec("new_tails", "float32", (2, "2D", 30)),
-    ),
-)
+FLOW_ESTIMATOR_INCREMENTAL_V3: Final = incremental_estimator_spec("2D", 30)
 
 _HIFT_INPUTS: Final = (
     TensorSpec("mel", "float32", (1, 80, "F")),

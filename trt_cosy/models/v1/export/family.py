@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Final
 
 from ....builder.build_family import BuildFamily
 from ....builder.export import ExportResult, GraphPlan, Progress, export_graph
 from ....builder.spk2info import SPK2INFO_FILE, read_spk2info, write_speakers
+from ....family_lookup import FAMILIES
 from ....runtime.engines import SPEAKERS_NAME
 from ....runtime.model import LoadedModel
-from ...registry import FAMILIES
 from .. import graphs as graphs_v1
+from ..tokenizer import V1_TOKENIZER_FILE
 from .reference import export_plans_v1, load_torch_model_v1
 from .testmodel import write_release_v1
 
@@ -32,6 +34,21 @@ class V1BuildFamily(BuildFamily):
         self, model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None
     ) -> LoadedModel:
         return load_torch_model_v1(model_dir, threads=threads)
+
+    def copy_text_tokenizer(self, model_dir: Path, tokenizer_dir: Path) -> None:
+        """Copy whisper's ``multilingual.tiktoken`` (put next to ``cosyvoice.yaml``) into ``tokenizer_dir``."""
+        source = Path(model_dir) / V1_TOKENIZER_FILE
+        if not source.is_file():
+            _LOGGER.warning(
+                "%s has no %s (openai-whisper's whisper/assets/%s): the engines carry no text tokenizer; "
+                "copy it next to cosyvoice.yaml and rebuild before synthesising",
+                model_dir,
+                V1_TOKENIZER_FILE,
+                V1_TOKENIZER_FILE,
+            )
+            return
+        tokenizer_dir.mkdir(exist_ok=True)
+        shutil.copy2(source, tokenizer_dir / V1_TOKENIZER_FILE)
 
     def export_plan(self, config: Any, name: str) -> GraphPlan:
         return export_plans_v1(config)[name]

@@ -19,12 +19,12 @@ from ....builder.testmodel.standin_onnx import (
     write_standin_campplus,
     write_standin_speech_tokenizer_v1,
 )
-from ....builder.testmodel.tiktoken_writer import write_test_ranks
 from ..config import v1_config_from_release_dir
 from ..tokenizer import V1_TOKENIZER_FILE, whisper_specials
 from .flow import MaskedDiffWithXvecV1
 from .hift import build_hift_v1
 from .llm import TransformerLMV1
+from .tiktoken_writer import write_test_ranks
 from .yaml_template import V1_FULL_SIZES, V1_TINY_SIZES, render_cosyvoice_yaml
 
 __all__ = ["write_release_v1", "PRESET_SPEAKERS"]

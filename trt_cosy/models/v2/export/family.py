@@ -7,8 +7,9 @@ from typing import Any
 
 from ....builder.build_family import BuildFamily
 from ....builder.export import ExportResult, GraphPlan, Progress, export_model, graph_export_plan
+from ....builder.flow_incremental import unet_incremental_graph
+from ....family_lookup import FAMILIES
 from ....runtime.model import LoadedModel
-from ...registry import FAMILIES
 from .reference import load_torch_model_v2
 from .testmodel import write_release_v2
 
@@ -28,6 +29,9 @@ class V2BuildFamily(BuildFamily):
 
     def export(self, model: LoadedModel, out_dir: Path, progress: Progress | None = None) -> dict[str, ExportResult]:
         return export_model(model, out_dir, progress=progress)
+
+    def incremental_estimator_graph(self, model: LoadedModel) -> tuple[Any, Any, GraphPlan] | None:
+        return unet_incremental_graph(model)
 
     def write_test_release(self, root: Path, size: str, seed: int) -> None:
         write_release_v2(root, size, seed)

@@ -7,10 +7,12 @@ from typing import Any
 
 from ....builder.build_family import BuildFamily
 from ....builder.export import ExportResult, GraphPlan, Progress
+from ....family_lookup import FAMILIES
 from ....runtime.model import LoadedModel
 from ....runtime.profiles import ProfileLimits
-from ...registry import FAMILIES
 from ..config import V3ModelConfig
+from ..graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_INCREMENTAL_V3
+from .dit_incremental import V3IncrementalEstimatorGraph, v3_incremental_export_plan
 from .export import export_model_v3, v3_graph_export_plan
 from .reference import load_torch_model_v3
 from .testmodel import write_release_v3
@@ -48,6 +50,15 @@ class V3BuildFamily(BuildFamily):
 
     def export(self, model: LoadedModel, out_dir: Path, progress: Progress | None = None) -> dict[str, ExportResult]:
         return export_model_v3(model, out_dir, progress=progress)
+
+    def incremental_estimator_graph(self, model: LoadedModel) -> tuple[Any, Any, GraphPlan] | None:
+        """The DiT's incremental graph (``dit_incremental``), or None where the flow is not the torch DiT."""
+        runner = model.runners.get(FLOW_ESTIMATOR.name)
+        dit = getattr(getattr(runner, "module", None), "estimator", None)  # EstimatorGraph(flow).estimator
+        if dit is None:
+            return None
+        graph = V3IncrementalEstimatorGraph(dit)
+        return FLOW_ESTIMATOR_INCREMENTAL_V3, graph, v3_incremental_export_plan(model.config)
 
     def write_test_release(self, root: Path, size: str, seed: int) -> None:
         write_release_v3(root, size, seed)

@@ -18,8 +18,8 @@ from typing import Final
 
 import regex
 
-from ...errors import InputError
-from ...models.v1.tokenizer import WHISPER_SPLIT_PATTERN
+from ....errors import InputError
+from ..tokenizer import WHISPER_SPLIT_PATTERN
 
 __all__ = ["write_test_ranks", "train_byte_bpe"]
 
