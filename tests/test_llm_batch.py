@@ -79,7 +79,9 @@ def test_build_writes_and_records_the_batched_graph(engines, model):
     assert {"inputs_embeds", "seqlens_k", "total_sequence_length", "past_key_0", "past_value_1"} <= names
     assert [t.name for t in record.outputs][0] == "logits"
     # Only the LLM session that is used gets created: both are deferred.
-    assert isinstance(model.runners["llm"], LazyOrtRunner) and isinstance(model.runners["llm_batch"], LazyOrtRunner)
+    assert isinstance(model.runners["llm"], LazyOrtRunner) and isinstance(
+        model.runners["llm_batch"], LazyOrtRunner
+    )
     # Decoding alone through the deferred llm session still keeps the cache inside ONNX Runtime.
     stage = LLMStage(model.runners["llm"], model.llm_tables, model.config.llm)
     assert isinstance(stage._decoder(), OrtKVDecoder)
@@ -205,7 +207,9 @@ def test_seeded_sampling_equals_decoding_alone(model, alone, v2_reference):
     assert len({tuple(t) for t in expected.values()}) > 1  # the seeds matter
 
 
-def test_cancelled_request_frees_its_slot_at_once_and_the_others_continue(model, alone, v2_reference, monkeypatch):
+def test_cancelled_request_frees_its_slot_at_once_and_the_others_continue(
+    model, alone, v2_reference, monkeypatch
+):
     stage = _batched(model, slots=2)
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
     expected = list(alone.generate(*args, greedy_sample, max_new_tokens=120))
@@ -246,7 +250,9 @@ def _slow_steps(stage: BatchedLLMStage, monkeypatch) -> None:
     monkeypatch.setattr(stepper, "step", slow_step)
 
 
-def test_first_chunk_hold_pauses_the_loop_only_when_every_row_is_held(model, alone, v2_reference, monkeypatch):
+def test_first_chunk_hold_pauses_the_loop_only_when_every_row_is_held(
+    model, alone, v2_reference, monkeypatch
+):
     """``pause="all"``: one request holding for its first chunk stops the loop (its LLM waits, as
     decoding alone does); with a second row running, the loop goes on; the tokens stay exact."""
     stage = _batched(model, slots=2)
@@ -286,8 +292,10 @@ def test_any_pause_holds_the_loop_for_every_row(model, alone, v2_reference, monk
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
     sampler = RASSampler.from_config(model.config.llm, np.random.default_rng(3))
     expected = list(alone.generate(*args, sampler, 60))
-    rows = [stage.generate(*args, RASSampler.from_config(model.config.llm, np.random.default_rng(3)), 60)
-            for _ in range(2)]
+    rows = [
+        stage.generate(*args, RASSampler.from_config(model.config.llm, np.random.default_rng(3)), 60)
+        for _ in range(2)
+    ]
     got = [[next(row), next(row)] for row in rows]
     with scheduler.held():
         time.sleep(0.05)
@@ -408,10 +416,57 @@ def test_idle_loop_ends_its_thread_and_the_next_request_starts_one(model, v2_ref
         list(stage.generate(*args, greedy_sample, max_new_tokens=6))
 
 
+def test_request_joining_while_an_idle_loop_exits_is_served_by_the_next_loop(model, v2_reference, monkeypatch):
+    """The idle loop gives its thread up, then a request joins (and starts a new loop) before the old
+    thread's cleanup runs: the cleanup must leave the new request alone (it used to fail it). A hold
+    keeps the new loop from finishing the request before the old thread's cleanup has run."""
+    import trt_cosy.stages.llm_batch as llm_batch
+
+    monkeypatch.setattr(llm_batch, "_IDLE_EXIT_S", 0.05)
+    stage = _batched(model, slots=2)
+    scheduler = stage.scheduler
+    scheduler.pause = "all"
+    args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
+    golden = v2_reference["llm_greedy_tokens"][:6].tolist()
+    real_admit_rows, racing, results = scheduler._admit_rows, [], []
+
+    def late_request() -> None:
+        try:
+            results.append(list(stage.generate(*args, greedy_sample, max_new_tokens=6)))
+        except RuntimeError as exc:
+            results.append(exc)
+
+    def admit_then_race() -> bool:
+        admitted = real_admit_rows()
+        if not admitted and not racing:  # the idle exit: before this thread's cleanup, a request joins
+            racing.append(threading.current_thread())
+            scheduler.hold()  # the new loop admits the request but does not step it yet
+            racing.append(threading.Thread(target=late_request))
+            racing[1].start()
+            deadline = time.monotonic() + 20.0
+            while not scheduler._rows and time.monotonic() < deadline:  # joined and admitted by a new loop
+                time.sleep(0.005)
+        return admitted
+
+    monkeypatch.setattr(scheduler, "_admit_rows", admit_then_race)
+    assert list(stage.generate(*args, greedy_sample, max_new_tokens=6)) == golden  # then the loop idles out
+    deadline = time.monotonic() + 20.0
+    while len(racing) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    racing[0].join(20.0)  # the old loop's cleanup has run
+    scheduler.release()
+    racing[1].join(20.0)
+    assert results == [golden]  # served, not "the decode scheduler stopped"
+    scheduler.close()
+
+
 def test_request_longer_than_a_slot_decodes_alone(model, v2_reference):
     stage = _batched(model, slots=2, positions=50)  # prompt 43 + 10 tokens does not fit
     args = (v2_reference["in_text"], v2_reference["in_prompt_text"], v2_reference["in_prompt_speech_token"])
-    assert list(stage.generate(*args, greedy_sample, max_new_tokens=10)) == v2_reference["llm_greedy_tokens"][:10].tolist()
+    assert (
+        list(stage.generate(*args, greedy_sample, max_new_tokens=10))
+        == v2_reference["llm_greedy_tokens"][:10].tolist()
+    )
     assert stage.scheduler.stats.joined == 0
 
 
@@ -456,7 +511,16 @@ def test_no_slot_or_memory_leak_over_500_requests(model, v2_reference):
 # ---------------------------------------------------------------- through CosyVoice
 
 
-TEXTS = ("Hi.", "Hello there.", "A longer sentence for the test.", "Ok.", "Yes, it is.", "Go.", "Hello.", "No.")
+TEXTS = (
+    "Hi.",
+    "Hello there.",
+    "A longer sentence for the test.",
+    "Ok.",
+    "Yes, it is.",
+    "Go.",
+    "Hello.",
+    "No.",
+)
 
 
 @pytest.mark.slow

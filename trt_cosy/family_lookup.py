@@ -85,9 +85,9 @@ def family_of_release(model_dir: Path) -> Family:
             f"model directory {model_dir} does not exist. Pass the folder of an official release "
             "(e.g. CosyVoice2-0.5B downloaded with `trt-cosy download`)."
         )
-    for family in FAMILIES.values():
-        if (model_dir / family.yaml_name).is_file():
-            return family
+    for known in FAMILIES.values():
+        if (model_dir / known.yaml_name).is_file():
+            return known
     v2, v1, v3 = FAMILIES["v2"], FAMILIES["v1"], FAMILIES["v3"]
     raise ModelDirError(
         f"{model_dir} has no {v2.yaml_name}; expected an official CosyVoice2 release directory "

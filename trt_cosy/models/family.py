@@ -70,7 +70,10 @@ class Family(ABC):
     trt_step_graphs: ClassVar[bool] = True  # TensorRT flow step graphs (its flow runs ``stages.flow.FlowStage``)
     fixed_flow_noise: ClassVar[bool] = True  # the engines carry the official fixed CFM noise
     stream_schedules: ClassVar[tuple[str, ...]] = ("official", "fast")  # SynthesisConfig.stream_schedule values
-    fixed_hift_noise: ClassVar[bool] = False  # the engines carry the causal HiFT's fixed NSF buffer
+    fixed_hift_noise: ClassVar[bool] = False
+    # Instructions ("speak cheerfully") with any voice, cloned ones included (CosyVoice2/3's instruct2);
+    # CosyVoice 1 instructs only its preset speakers (CosyVoice-300M-Instruct).
+    instructs_any_voice: ClassVar[bool] = True  # the engines carry the causal HiFT's fixed NSF buffer
     # The incremental streaming estimator's kind ("unet": CosyVoice2's U-Net, "dit": CosyVoice3's DiT;
     # None: streaming recomputes), and whether OpenVINO/mixed engines carry it (built and tested for v2).
     incremental_estimator: ClassVar[str | None] = None

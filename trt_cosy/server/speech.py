@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..family_lookup import family_named
 from ..synthesis import SynthesisConfig
 from .audio_encoding import check_format, content_type
 from .audio_stream import SSE_HEADERS, audio_stream, sse_stream
@@ -132,7 +133,8 @@ async def _synthesize(
             "instructions_too_long",
             "instructions",
         )
-    if instructions and instructions.strip() and getattr(state.tts, "family", "") == "v1":
+    family = getattr(state.tts, "family", None)  # a CosyVoice; a worker pool's stand-in may not say
+    if instructions and instructions.strip() and family and not family_named(family).instructs_any_voice:
         raise APIError(
             400,
             "instructions need a CosyVoice2 or CosyVoice3 model: CosyVoice 1's instruct mode "

@@ -274,11 +274,15 @@ class DecodeScheduler:
                 self._step()
         finally:
             with self._changed:
-                error = RuntimeError("the decode scheduler stopped")
-                self._drop(list(range(len(self._rows))), error)
-                for row, _ in self._pending:
-                    row.tokens.put(error)
-                self._pending.clear()
+                # An idle exit left nothing behind and gave the loop up (``_thread`` None): a ``join``
+                # since then belongs to the loop it started. Closed, or this loop died: fail what is left.
+                if self._closed or self._thread is threading.current_thread():
+                    self._thread = None
+                    error = RuntimeError("the decode scheduler stopped")
+                    self._drop(list(range(len(self._rows))), error)
+                    for row, _ in self._pending:
+                        row.tokens.put(error)
+                    self._pending.clear()
 
     def _step(self) -> None:
         rows = list(self._rows)

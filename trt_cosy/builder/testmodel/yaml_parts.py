@@ -119,3 +119,22 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
     win_size: 1920
     fmin: 0
 """
+
+# The 24 kHz HiFT's upsampling and source resblocks (CosyVoice2 and 3): after HIFT_SOURCE and HIFT_ISTFT.
+HIFT_24K_UPSAMPLE: Final = """\
+    upsample_rates: [8, 5, 3]
+    upsample_kernel_sizes: [16, 11, 7]
+"""
+HIFT_24K_SOURCE_RESBLOCKS: Final = """\
+    source_resblock_kernel_sizes: [7, 7, 11]
+    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    lrelu_slope: 0.1
+    audio_limit: 0.99
+"""
+# The Qwen tokenizer (CosyVoice2 and 3); ``{version}`` is "" or an indented ``version:`` line.
+QWEN_TOKENIZER: Final = """\
+get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
+    token_path: !ref <qwen_pretrain_path>
+    skip_special_tokens: True
+{version}allowed_special: 'all'
+"""

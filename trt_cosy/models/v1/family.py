@@ -119,6 +119,7 @@ class V1Family(Family):
     trt_step_graphs = False  # its own flow stage (V1FlowStage) runs the estimator plan per step
     fixed_flow_noise = False  # v1 draws fresh CFM noise per call
     quality = V1QualityFeeds()
+    instructs_any_voice = False
     quantized_graphs = {V1_LLM.name: "llm", V1_FLOW_ESTIMATOR.name: "estimator", V1_HIFT.name: "vocoder"}
     profile_builder = staticmethod(v1_profiles)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from ....builder.testmodel.yaml_parts import CFM_PARAMS, HIFT_ISTFT, HIFT_SOURCE, RAS_SAMPLING, SEEDS
+from ....builder.testmodel import yaml_parts as parts
 
 __all__ = ["V1YamlSizes", "V1_TINY_SIZES", "V1_FULL_SIZES", "render_cosyvoice_yaml"]
 
@@ -54,7 +54,7 @@ _TEMPLATE: Final = (
 # Random-weight test model written by `trt-cosy make-test-model --family v1` ({size_name}).
 # Structure and tags follow the released CosyVoice-300M cosyvoice.yaml; weights are random.
 """
-    + SEEDS
+    + parts.SEEDS
     + """
 sample_rate: 22050
 text_encoder_input_size: {s.text_embed}
@@ -103,7 +103,7 @@ llm: !new:cosyvoice.llm.llm.TransformerLM
         selfattention_layer_type: 'rel_selfattn'
         static_chunk_size: 1
 """
-    + RAS_SAMPLING
+    + parts.RAS_SAMPLING
     + """
 flow: !new:cosyvoice.flow.flow.MaskedDiffWithXvec
     input_size: {s.flow_input}
@@ -133,7 +133,7 @@ flow: !new:cosyvoice.flow.flow.MaskedDiffWithXvec
         sampling_ratios: [1, 1, 1, 1]
     decoder: !new:cosyvoice.flow.flow_matching.ConditionalCFM
 """
-    + CFM_PARAMS
+    + parts.CFM_PARAMS
     + """\
         estimator: !new:cosyvoice.flow.decoder.ConditionalDecoder
             in_channels: 320
@@ -148,12 +148,12 @@ flow: !new:cosyvoice.flow.flow.MaskedDiffWithXvec
 
 hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
 """
-    + HIFT_SOURCE
+    + parts.HIFT_SOURCE
     + """\
     upsample_rates: [8, 8]
     upsample_kernel_sizes: [16, 16]
 """
-    + HIFT_ISTFT
+    + parts.HIFT_ISTFT
     + """\
     source_resblock_kernel_sizes: [7, 11]
     source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5]]

@@ -10,17 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from ....builder.testmodel.yaml_parts import (
-    CFM_PARAMS,
-    FEAT_24K,
-    FLOW_TOKENS,
-    HIFT_ISTFT,
-    HIFT_SOURCE,
-    QWEN_HEADER,
-    QWEN_LLM,
-    RAS_SAMPLING,
-    SEEDS,
-)
+from ....builder.testmodel import yaml_parts as parts
 
 __all__ = ["YamlSizes", "TINY_SIZES", "FULL_SIZES", "render_cosyvoice2_yaml"]
 
@@ -51,20 +41,20 @@ _TEMPLATE: Final = (
 # Random-weight test model written by `trt-cosy make-test-model` ({size_name}).
 # Structure and tags follow the released CosyVoice2-0.5B cosyvoice2.yaml; weights are random.
 """
-    + SEEDS
+    + parts.SEEDS
     + """
 """
-    + QWEN_HEADER
+    + parts.QWEN_HEADER
     + """
 llm: !new:cosyvoice.llm.llm.Qwen2LM
 """
-    + QWEN_LLM
-    + RAS_SAMPLING
+    + parts.QWEN_LLM
+    + parts.RAS_SAMPLING
     + """
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
     input_size: {s.flow_width}
 """
-    + FLOW_TOKENS
+    + parts.FLOW_TOKENS
     + """\
     encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
         output_size: {s.flow_width}
@@ -84,7 +74,7 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
         static_chunk_size: !ref <chunk_size>
     decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
 """
-    + CFM_PARAMS
+    + parts.CFM_PARAMS
     + """\
         estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
             in_channels: 320
@@ -101,28 +91,19 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
 
 hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
 """
-    + HIFT_SOURCE
+    + parts.HIFT_SOURCE
+    + parts.HIFT_24K_UPSAMPLE
+    + parts.HIFT_ISTFT
+    + parts.HIFT_24K_SOURCE_RESBLOCKS
     + """\
-    upsample_rates: [8, 5, 3]
-    upsample_kernel_sizes: [16, 11, 7]
-"""
-    + HIFT_ISTFT
-    + """\
-    source_resblock_kernel_sizes: [7, 7, 11]
-    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
-    lrelu_slope: 0.1
-    audio_limit: 0.99
     f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
         num_class: 1
         in_channels: 80
         cond_channels: {s.f0_channels}
 
-get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
-    token_path: !ref <qwen_pretrain_path>
-    skip_special_tokens: True
-allowed_special: 'all'
 """
-    + FEAT_24K
+    + parts.QWEN_TOKENIZER.replace("{version}", "")
+    + parts.FEAT_24K
     + """\
     fmax: 8000
     center: False

@@ -10,17 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from ....builder.testmodel.yaml_parts import (
-    CFM_PARAMS,
-    FEAT_24K,
-    FLOW_TOKENS,
-    HIFT_ISTFT,
-    HIFT_SOURCE,
-    QWEN_HEADER,
-    QWEN_LLM,
-    RAS_SAMPLING,
-    SEEDS,
-)
+from ....builder.testmodel import yaml_parts as parts
 
 __all__ = ["V3YamlSizes", "V3_TINY_SIZES", "V3_FULL_SIZES", "render_cosyvoice3_yaml"]
 
@@ -47,20 +37,20 @@ _TEMPLATE: Final = (
 # Random-weight test model written by `trt-cosy make-test-model --family v3` ({size_name}).
 # Structure and tags follow the released Fun-CosyVoice3-0.5B cosyvoice3.yaml; weights are random.
 """
-    + SEEDS
+    + parts.SEEDS
     + """
 """
-    + QWEN_HEADER
+    + parts.QWEN_HEADER
     + """
 llm: !new:cosyvoice.llm.llm.CosyVoice3LM
 """
-    + QWEN_LLM
-    + RAS_SAMPLING
+    + parts.QWEN_LLM
+    + parts.RAS_SAMPLING
     + """
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
     input_size: 80
 """
-    + FLOW_TOKENS
+    + parts.FLOW_TOKENS
     + """\
     pre_lookahead_layer: !new:cosyvoice.transformer.upsample_encoder.PreLookaheadLayer
         in_channels: 80
@@ -68,7 +58,7 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
         pre_lookahead_len: 3
     decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
 """
-    + CFM_PARAMS
+    + parts.CFM_PARAMS
     + """\
         estimator: !new:cosyvoice.flow.DiT.dit.DiT
             dim: {s.dit_dim}
@@ -85,30 +75,20 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
 
 hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator
 """
-    + HIFT_SOURCE
+    + parts.HIFT_SOURCE
+    + parts.HIFT_24K_UPSAMPLE
+    + parts.HIFT_ISTFT
+    + parts.HIFT_24K_SOURCE_RESBLOCKS
     + """\
-    upsample_rates: [8, 5, 3]
-    upsample_kernel_sizes: [16, 11, 7]
-"""
-    + HIFT_ISTFT
-    + """\
-    source_resblock_kernel_sizes: [7, 7, 11]
-    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
-    lrelu_slope: 0.1
-    audio_limit: 0.99
     conv_pre_look_right: 4
     f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor
         num_class: 1
         in_channels: 80
         cond_channels: {s.f0_channels}
 
-get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
-    token_path: !ref <qwen_pretrain_path>
-    skip_special_tokens: True
-    version: cosyvoice3
-allowed_special: 'all'
 """
-    + FEAT_24K
+    + parts.QWEN_TOKENIZER.replace("{version}", "    version: cosyvoice3\n")
+    + parts.FEAT_24K
     + """\
     fmax: null
     center: False
