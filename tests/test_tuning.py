@@ -75,6 +75,21 @@ def test_llm_kl_bar_is_an_upper_bound():
     assert choice.trials[0].reason == "quality guard: llm_kl_mean 0.2 > 0.05"
 
 
+def test_todays_rule_stays_unless_another_candidate_is_clearly_faster():
+    """A 2 % lead is within a loaded machine's noise: the stage keeps today's engines (margin 5 %)."""
+    trials = [
+        ok("onnxruntime", "int4", 0.100, 0.101, llm_kl_mean=0.001),
+        ok("onnxruntime", "int8", 0.098, 0.098, llm_kl_mean=0.001),
+    ]
+    kept = choose_stage("llm", trials, TODAY, THRESHOLDS, FP32.key)
+    assert (kept.backend, kept.precision) == TODAY
+    assert kept.reason.startswith(
+        "today's rule kept: the fastest, onnxruntime/int8 (median 0.098 s), is less than 5% faster"
+    )
+    moved = choose_stage("llm", trials, TODAY, THRESHOLDS, FP32.key, margin=0.01)
+    assert moved.precision == "int8"
+
+
 def test_failed_and_skipped_candidates_are_passed_over_and_nothing_left_keeps_todays_rule():
     trials = [
         Trial("onnxruntime", "int4", "failed", reason="build failed: BuildError: no"),
@@ -247,6 +262,35 @@ def test_tuned_build_takes_each_stage_from_its_fastest_passing_candidate(tmp_pat
     assert again == out and "tuned on this CPU; nothing to build" in lines[-1]
 
 
+def test_loading_engines_tuned_on_another_cpu_says_so_once(tmp_path, v2_tiny_dir, checkpoint, caplog):
+    import dataclasses
+
+    from trt_cosy.errors import EngineMismatchError
+    from trt_cosy.runtime.engines import load_engines
+
+    out = tune_build(
+        v2_tiny_dir,
+        tmp_path / "tuned",
+        fallback=TODAY,
+        budget_s=30.0,
+        threads=2,
+        candidates=[INT4, FP32],
+        build=fake_builder(checkpoint),
+        measure=FakeMeasure(),
+    )
+    manifest = Manifest.read(out)
+    elsewhere = dataclasses.replace(manifest.tuning, machine="0123456789abcdef", cpu="Another CPU")
+    dataclasses.replace(manifest, tuning=elsewhere).write(out)
+    with caplog.at_level(logging.WARNING), pytest.raises(EngineMismatchError, match="model_config.json"):
+        load_engines(out)  # the made-up folder's config is not JSON: the line comes before it is read
+    lines = [record.getMessage() for record in caplog.records if "tuned on" in record.getMessage()]
+    assert lines == [
+        f"these engines were tuned on Another CPU; this is {machine().cpu}: their per-stage choice "
+        f"({elsewhere.summary()}) may not be the fastest here. Re-tune on this machine: `trt-cosy build "
+        f"--model-dir DIR --out {out} --force`."
+    ]
+
+
 def test_a_candidate_that_cannot_build_is_recorded_and_the_others_go_on(tmp_path, v2_tiny_dir, checkpoint):
     out = tune_build(
         v2_tiny_dir,
@@ -335,3 +379,30 @@ def test_build_tunes_by_default_and_tune_off_keeps_todays_rule(no_gpu, monkeypat
     assert result.exit_code == 0, result.output
     assert len(tuned) == 1 and (plain[0]["backend"], plain[0]["precision"]) == TODAY
     assert "backend: onnxruntime int4 (no CUDA GPU with TensorRT here" in result.output
+
+
+# --- the bench report ---
+
+
+def test_bench_report_names_the_cpu_its_flags_and_threads():
+    from trt_cosy.bench.speed import _machine, format_bench
+
+    report = {
+        "engines": "E",
+        "backend": "mixed",
+        "precision": "int4",
+        "threads": 2,
+        "machine": _machine(),
+        "metrics": {"rtf": {"median": 1.0, "min": 0.9, "max": 1.1}},
+        "peak_rss_gb": 1.0,
+        "streaming": "not measured",
+        "tuned": "llm onnxruntime/int4, flow openvino/bf16, hift onnxruntime/int4 (tuned on X)",
+    }
+    here = machine()
+    lines = format_bench(report).splitlines()
+    assert lines[
+        0
+    ] == f"cpu {here.cpu}, {report['machine']['logical_cpus']} logical CPUs, 2 threads; flags " + (
+        " ".join(here.flags) or "not read"
+    )
+    assert lines[1] == f"engines chosen per stage: {report['tuned']}"

@@ -53,6 +53,9 @@ _LOGGER = logging.getLogger(__name__)
 DEFAULT_TUNE_SECONDS: Final = 90.0  # the timing phase (builds come first and are not part of it)
 TUNED_FAMILIES: Final = frozenset({"v2", "v3"})  # a separate LLM, flow and HiFT stage each
 _MIN_CALLS: Final = 2  # timed calls per stage (after one warm-up call), even past the budget
+# Every candidate gets its minimum calls (loading it and one warm-up call per stage are not shortened by
+# the budget); candidates are skipped only once this many times the budget is spent.
+_HARD_LIMIT: Final = 2.0
 _MAX_CALLS: Final = 7
 _LLM_TOKENS: Final = 50  # decode steps timed per LLM call (prefill of the quality prompt first)
 _WORK_SUFFIX: Final = ".tuning"
@@ -296,7 +299,8 @@ def _time_and_choose(
     timed = [c for c in order if c in built]
     emit(
         f"tuning: timing {len(timed)} candidates x {len(STAGES)} stages ({', '.join(STAGES)}) on {here.cpu} "
-        f"with {threads} threads, within about {budget_s:.0f} s (--tune-seconds; --tune off keeps today's rule)"
+        f"with {threads} threads, within about {budget_s:.0f} s (at most {_HARD_LIMIT * budget_s:.0f} s; "
+        "--tune-seconds; --tune off keeps today's rule)"
     )
     start = time.perf_counter()
     trials: dict[str, list[Trial]] = {stage: [] for stage in STAGES}
@@ -310,11 +314,9 @@ def _time_and_choose(
                 s: Trial(*candidate.key, "skipped", reason="the fp32 reference was not measured, so no guard")
                 for s in STAGES
             }
-        elif time.perf_counter() - start > budget_s and candidate != REFERENCE:
-            results = {
-                s: Trial(*candidate.key, "skipped", reason=f"time budget of {budget_s:.0f} s spent")
-                for s in STAGES
-            }
+        elif time.perf_counter() - start > _HARD_LIMIT * budget_s and candidate != REFERENCE:
+            reason = f"time budget spent ({_HARD_LIMIT:g} x {budget_s:.0f} s)"
+            results = {s: Trial(*candidate.key, "skipped", reason=reason) for s in STAGES}
         else:
             left = max(budget_s - (time.perf_counter() - start), 0.0)
             seconds = left / max(len([c for c in timed if order.index(c) >= index]), 1)

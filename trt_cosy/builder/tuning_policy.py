@@ -17,7 +17,9 @@ from typing import Final
 
 from ..runtime.tuning_record import StageTuning, Trial
 
-__all__ = ["STAGE_METRICS", "quality_failures", "choose_stage"]
+__all__ = ["DEFAULT_MARGIN", "STAGE_METRICS", "quality_failures", "choose_stage"]
+
+DEFAULT_MARGIN: Final = 0.05  # how much faster than today's rule a candidate must be to replace it
 
 # The quality guard's bar(s) that decide each stage (verify.quality.THRESHOLDS: metric -> (bound, kind)).
 STAGE_METRICS: Final = {"llm": ("llm_kl_mean",), "flow": ("flow_mel_snr_db",), "hift": ("hift_wav_snr_db",)}
@@ -51,11 +53,14 @@ def choose_stage(
     fallback: tuple[str, str],
     thresholds: Mapping[str, tuple[float, str]],
     reference: tuple[str, str] | None = None,
+    margin: float = DEFAULT_MARGIN,
 ) -> StageTuning:
     """The fastest trial of ``stage`` that was timed and passes the guard; else ``fallback``.
 
     ``reference`` (backend, precision): the candidate the others are compared with (fp32), which
-    passes by definition. Ties keep the earlier trial (the candidates' order: today's default first).
+    passes by definition. ``fallback`` (today's rule) is kept when it passed and the fastest is less
+    than ``margin`` (a fraction) faster: a difference within a loaded machine's noise does not move
+    a stage off the engines measured at full size. Ties keep the earlier trial.
     """
     judged: list[Trial] = []
     for trial in trials:
@@ -83,6 +88,16 @@ def choose_stage(
         )
     best = min(passing, key=lambda trial: trial.median_s)  # min keeps the first of equal medians
     others = sorted((trial for trial in passing if trial is not best), key=lambda trial: trial.median_s)
+    today = next((trial for trial in passing if (trial.backend, trial.precision) == tuple(fallback)), None)
+    if today is not None and best is not today and best.median_s > (1.0 - margin) * today.median_s:
+        return StageTuning(
+            stage,
+            today.backend,
+            today.precision,
+            f"today's rule kept: the fastest, {best.label} (median {best.median_s:.4g} s), is less than "
+            f"{margin:.0%} faster than {today.label} ({today.median_s:.4g} s)",
+            tuple(judged),
+        )
     if others:
         runner_up = others[0]
         reason = (
