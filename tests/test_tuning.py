@@ -177,7 +177,10 @@ class FakeMeasure:
             quality = {} if plan.is_reference else dict(QUALITY[stage])
             if (candidate.label, stage) in self.bad:
                 quality = {key: (1.0 if stage == "llm" else 5.0) for key in quality}
-            trials[stage] = Trial(*candidate.key, "ok", TIMES[(candidate.label, stage)], quality)
+            slower = 1.8 if plan.threads == 1 else 1.0  # one thread per graph instead of two
+            trials[stage] = Trial(
+                *candidate.key, "ok", tuple(t * slower for t in TIMES[(candidate.label, stage)]), quality
+            )
         return trials
 
 
@@ -209,7 +212,15 @@ def test_tuned_build_takes_each_stage_from_its_fastest_passing_candidate(tmp_pat
         build=fake_builder(checkpoint),
         measure=measure,
     )
-    assert [label for label, _ in measure.plans] == ["onnxruntime/fp32", "onnxruntime/int4", "openvino/bf16"]
+    timed = [(label, plan.stages, plan.threads) for label, plan in measure.plans]
+    assert timed == [
+        ("onnxruntime/fp32", ("llm", "flow", "hift"), 2),
+        ("onnxruntime/int4", ("llm", "flow", "hift"), 2),
+        ("openvino/bf16", ("llm", "flow", "hift"), 2),
+        ("onnxruntime/int4", ("llm",), 1),  # then each chosen stage with one thread (recorded only)
+        ("openvino/bf16", ("flow",), 1),
+        ("onnxruntime/fp32", ("hift",), 1),
+    ]
     assert measure.plans[0][1].is_reference and not measure.plans[1][1].is_reference
     assert any("within about 30 s" in line and machine().cpu in line for line in lines)
     manifest = Manifest.read(out)
@@ -243,6 +254,7 @@ def test_tuned_build_takes_each_stage_from_its_fastest_passing_candidate(tmp_pat
         "flow": "openvino/bf16",
         "hift": "onnxruntime/fp32",
     }
+    assert tuning.stages["flow"].threads == {"1": pytest.approx(0.36), "2": pytest.approx(0.20)}
     hift = {trial.label: trial for trial in tuning.stages["hift"].trials}
     assert (
         hift["onnxruntime/int4"].status == "refused"
