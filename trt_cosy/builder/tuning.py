@@ -332,7 +332,7 @@ def _time_and_choose(
     }
     for choice in stages.values():
         emit(f"tuning: {choice.stage} -> {choice.label} ({choice.reason})")
-    if threads > 1 and time.perf_counter() - start < budget_s:
+    if threads > 1 and time.perf_counter() - start < _HARD_LIMIT * budget_s:
         stages = _time_one_thread(stages, built, threads, budget_s, data, measure, emit)
     return TuningRecord(
         here.cpu, here.flags, here.key, threads, budget_s, time.perf_counter() - start, stages
