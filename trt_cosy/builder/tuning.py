@@ -454,7 +454,7 @@ def _measure(
     from ..runtime.engines import load_engines
     from ..verify.quality import QualityInputs, next_token_agreement, snr_db
 
-    model = load_engines(Path(engines), threads=threads, backend="auto", lazy_graphs=())
+    model = load_engines(Path(engines), threads=threads, backend="auto")  # sessions made by the warm-up call
     api = build_stages(model, llm_slots=0)  # one request alone: no batching thread
     feeds = family_of(model.config).quality
     inputs = QualityInputs.random(model, seed=0)
