@@ -102,6 +102,30 @@ def test_failed_and_skipped_candidates_are_passed_over_and_nothing_left_keeps_to
     assert "build failed: BuildError: no" in choice.reason and choice.reason.endswith("today's rule")
 
 
+def test_the_candidates_follow_the_cpu():
+    from trt_cosy.builder.tuning import candidates_here
+    from trt_cosy.runtime.native_guard import Machine
+
+    amx = Machine("Xeon", ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f"))
+    labels = lambda found: [candidate.label for candidate in found]  # noqa: E731
+    assert labels(candidates_here(amx, openvino=True, bf16=True)) == [
+        "onnxruntime/int4",
+        "onnxruntime/int8",
+        "onnxruntime/fp32",
+        "openvino/bf16",
+        "openvino/int8",
+        "openvino/fp32",
+    ]
+    no_vnni = Machine("Old", ("avx2", "fma"))
+    assert labels(candidates_here(no_vnni, openvino=True, bf16=False)) == [
+        "onnxruntime/int4",
+        "onnxruntime/int8",
+        "onnxruntime/fp32",
+        "openvino/fp32",
+    ]
+    assert labels(candidates_here(amx, openvino=False, bf16=False, quantizable=False)) == ["onnxruntime/fp32"]
+
+
 # --- the record ---
 
 
@@ -418,3 +442,26 @@ def test_bench_report_names_the_cpu_its_flags_and_threads():
         " ".join(here.flags) or "not read"
     )
     assert lines[1] == f"engines chosen per stage: {report['tuned']}"
+
+
+# --- the real timing child, on the session's tiny ONNX Runtime engines ---
+
+
+@pytest.mark.slow  # the session's tiny build, then about 10 s
+def test_the_timing_child_times_and_guards_real_engines(tmp_path_factory, v2_tiny_dir, tmp_path):
+    from _support import tiny_engines
+
+    engines = tiny_engines(tmp_path_factory, v2_tiny_dir)  # fp32: the reference itself
+    stages = ("llm", "flow", "hift")
+    reference = measure_in_child(FP32, engines, MeasurePlan(stages, 1, 0.5, tmp_path / "reference.npz", True))
+    assert (tmp_path / "reference.npz").is_file()  # the outputs the other candidates are compared with
+    again = measure_in_child(FP32, engines, MeasurePlan(stages, 1, 0.5, tmp_path / "reference.npz", False))
+    for trials in (reference, again):
+        assert set(trials) == set(stages)
+        for trial in trials.values():
+            assert trial.status == "ok" and 2 <= len(trial.times_s) <= 7 and min(trial.times_s) > 0, trial
+    assert all(not trial.quality for trial in reference.values())
+    # the same engines against their own outputs: nothing lost (the guard's numbers, exactly)
+    assert again["llm"].quality == {"llm_kl_mean": pytest.approx(0.0, abs=1e-12)}
+    assert again["flow"].quality == {"flow_mel_snr_db": float("inf")}
+    assert again["hift"].quality == {"hift_wav_snr_db": float("inf")}

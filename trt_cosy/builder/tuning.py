@@ -96,9 +96,7 @@ Build = Callable[[Candidate, Path, Progress], Path]
 Measure = Callable[[Candidate, Path, MeasurePlan], dict[str, Trial]]
 
 
-def candidates_here(
-    family: str, cpu: Machine, openvino: bool, bf16: bool, quantizable: bool = True
-) -> list[Candidate]:
+def candidates_here(cpu: Machine, openvino: bool, bf16: bool, quantizable: bool = True) -> list[Candidate]:
     """The candidates this machine can run, today's default (ONNX Runtime int4) first.
 
     ``openvino``: the package is installed; ``bf16``: its CPU plugin has bfloat16 kernels (AVX512-BF16 or
@@ -126,7 +124,7 @@ def _default_candidates(model_dir: Path) -> list[Candidate]:
     family = family_of_release(model_dir).name
     openvino = importlib.util.find_spec("openvino") is not None
     return candidates_here(
-        family, machine(), openvino, openvino and cpu_has_bf16_kernels(), family in QUANTIZABLE_FAMILIES
+        machine(), openvino, openvino and cpu_has_bf16_kernels(), family in QUANTIZABLE_FAMILIES
     )
 
 
