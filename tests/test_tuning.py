@@ -447,11 +447,16 @@ def test_bench_report_names_the_cpu_its_flags_and_threads():
 # --- the real timing child, on the session's tiny ONNX Runtime engines ---
 
 
-@pytest.mark.slow  # the session's tiny build, then about 10 s
-def test_the_timing_child_times_and_guards_real_engines(tmp_path_factory, v2_tiny_dir, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_fp32_engines(tmp_path_factory, v2_tiny_dir):
     from _support import tiny_engines
 
-    engines = tiny_engines(tmp_path_factory, v2_tiny_dir)  # fp32: the reference itself
+    return tiny_engines(tmp_path_factory, v2_tiny_dir)  # the session's build (ONNX Runtime fp32)
+
+
+@pytest.mark.slow  # the session's tiny build, then about 10 s
+def test_the_timing_child_times_and_guards_real_engines(tiny_fp32_engines, tmp_path):
+    engines = tiny_fp32_engines  # fp32: the reference itself
     stages = ("llm", "flow", "hift")
     reference = measure_in_child(FP32, engines, MeasurePlan(stages, 1, 0.5, tmp_path / "reference.npz", True))
     assert (tmp_path / "reference.npz").is_file()  # the outputs the other candidates are compared with
