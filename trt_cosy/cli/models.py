@@ -36,9 +36,9 @@ def download(name: str, source: str, target: Path | None) -> None:
               help="Engines directory to write (e.g. engines/cosyvoice2/onnxruntime-fp32).")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino", "mixed"]), default="auto",
               show_default=True,
-              help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else the fastest measured CPU "
-                   "engines (mixed int4 where OpenVINO has bf16 kernels, else onnxruntime int4); says which in one "
-                   "line. mixed: the LLM on onnxruntime, flow and vocoder on openvino.")
+              help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else each stage's CPU engines "
+                   "chosen by timing them here (--tune; with --tune off or --precision: onnxruntime int4); says "
+                   "which. mixed: the LLM on onnxruntime, flow and vocoder on openvino.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Default: int4 for onnxruntime (4-bit LLM, int8 flow; fp32 for `trt-cosy verify` parity), "
                    "fp16 for tensorrt, bf16 for openvino. See docs/precision.md.")
