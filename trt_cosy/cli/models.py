@@ -37,7 +37,7 @@ def download(name: str, source: str, target: Path | None) -> None:
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino", "mixed"]), default="auto",
               show_default=True,
               help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else each stage's CPU engines "
-                   "chosen by timing them here (--tune; with --tune off or --precision: onnxruntime int4); says "
+                   "chosen by timing them here (--tune; --tune off: onnxruntime int4; --precision: untuned); says "
                    "which. mixed: the LLM on onnxruntime, flow and vocoder on openvino.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Default: int4 for onnxruntime (4-bit LLM, int8 flow; fp32 for `trt-cosy verify` parity), "
