@@ -201,9 +201,12 @@ def builds(monkeypatch) -> list[dict]:
 
 
 def test_build_without_backend_picks_by_machine_and_says_so(no_gpu, builds, tmp_path, v2_tiny_dir):
+    """With tuning off (tests/test_tuning.py: tuning, the default on CPU machines)."""
     pytest.importorskip("torch", reason="`trt-cosy build` needs the [build] extra (torch)")
     pytest.importorskip("onnx", reason="`trt-cosy build` needs the [build] extra (onnx)")
-    result = CliRunner().invoke(main, ["build", "--model-dir", str(v2_tiny_dir), "--out", str(tmp_path / "e")])
+    result = CliRunner().invoke(
+        main, ["build", "--model-dir", str(v2_tiny_dir), "--out", str(tmp_path / "e"), "--tune", "off"]
+    )
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("backend: ")]
     assert lines == [

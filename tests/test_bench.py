@@ -44,6 +44,7 @@ def test_bench_report(engines):
     assert report["precision"] == "fp32" and report["threads"] == 1
     json.dumps(report)  # JSON-ready
     assert "llm_decode_tokens_per_s" in format_bench(report)
+    assert format_bench(report).splitlines()[0].startswith(f"cpu {report['machine']['cpu']}, ")  # model, flags
     assert "LLM worker" in report["streaming"]
 
 

@@ -320,3 +320,38 @@ def test_add_incremental_estimator_refuses_other_engines(built, release, tmp_pat
     dataclasses.replace(manifest, backend="tensorrt").write(engines)
     with pytest.raises(InputError, match="tensorrt engines"):
         add_incremental_estimator(engines, release)
+
+
+def test_engines_tuned_per_stage_mix_backends_and_pass_the_golden_set(built, release, tmp_path_factory, tmp_path):
+    """A tuned build's folder (builder.tuned_engines) with the LLM and HiFT from ONNX Runtime engines and the
+    flow from OpenVINO ones, fp32 everywhere: each graph runs on its own backend and every stage passes."""
+    from _support import tiny_engines
+
+    from trt_cosy.builder.tuned_engines import compose_tuned_engines
+    from trt_cosy.runtime.native_guard import machine
+    from trt_cosy.runtime.tuning_record import StageTuning, TuningRecord
+
+    ort_fp32 = tiny_engines(tmp_path_factory, V2_GOLDEN)  # the session's ONNX Runtime fp32 build
+    chosen = {"llm": ("onnxruntime", "fp32"), "flow": ("mixed", "fp32"), "hift": ("onnxruntime", "fp32")}
+    stages = {stage: StageTuning(stage, *key, "chosen by the test") for stage, key in chosen.items()}
+    here = machine()
+    out = tmp_path / "tuned"
+    out.mkdir()
+    compose_tuned_engines(
+        TuningRecord(here.cpu, here.flags, here.key, 1, 1.0, 0.0, stages),
+        {("onnxruntime", "fp32"): ort_fp32, ("mixed", "fp32"): built("mixed", "fp32")},
+        out,
+    )
+    manifest = Manifest.read(out)
+    assert manifest.backend == "mixed" and manifest.tuning.stages["flow"].label == "mixed/fp32"
+    model = load_engines(out, threads=1, backend="auto")
+    kinds = {name: type(runner).__name__ for name, runner in model.runners.items()}
+    assert {kinds["llm"], kinds["hift"]} <= {"OrtRunner", "LazyOrtRunner"}, kinds
+    assert {kinds["flow_encoder"], kinds["flow_estimator"]} <= {"OvRunner", "LazyOvRunner"}, kinds
+    result = CliRunner().invoke(
+        main,
+        ["verify", "--model-dir", str(release), "--golden", str(V2_GOLDEN / "reference.npz"),
+         "--backend", "mixed", "--engines", str(out), "--threads", "1"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "0 failed" in result.output, result.output

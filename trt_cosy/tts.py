@@ -501,6 +501,21 @@ class CosyVoice:
         """
         return write_audio(self.synthesize(text, voice, seed, config), path, self.sample_rate)
 
+    def prepare_voice(self, voice: Voice) -> bool:
+        """Precompute what a voice's first request would otherwise compute: the flow's prompt prefix
+        (``FlowStage.prepare_voice``; engines with the incremental streaming graph). The voice's prompt
+        features, speech tokens and embedding are in the ``Voice`` already. True when a prefix is kept
+        (the server calls this when a voice is uploaded, ``POST /v1/voices``)."""
+        self._check_voice(voice)
+        flow = getattr(self._stages, "flow", None)
+        if flow is None or not hasattr(flow, "prepare_voice"):
+            return False
+        return flow.prepare_voice(
+            voice.speech_tokens.astype(np.int64)[None],  # [1, P], as pipeline.render_chunk passes it
+            voice.prompt_mel[None],  # [1, 2P, 80]
+            voice.speaker_embedding[None],  # [1, 192]
+        )
+
     def _check_voice(self, voice: Voice) -> None:
         if not isinstance(voice, Voice):
             raise InputError(

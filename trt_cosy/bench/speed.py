@@ -343,6 +343,7 @@ def run_bench(
         "options": asdict(options),
         "threads": options.threads or default_threads(),
         "machine": _machine(),
+        "tuned": None if manifest.tuning is None else f"{manifest.tuning.summary()} (tuned on {manifest.tuning.cpu})",
         "prefill_positions": int(2 + inputs.prompt_text.size + inputs.text.size + inputs.prompt_speech.size),
         "load_in_process_s": load_s,
         "metrics": {key: _summary([run[key] for run in runs]) for key in runs[0]},
@@ -373,10 +374,14 @@ def _machine() -> dict[str, Any]:
 
     import onnxruntime
 
+    from ..runtime.native_guard import machine
+
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    here = machine()  # the model name and ISA flags that decide the kernels (and a tuned build's choice)
     return {
         "gemm_gflops": _gemm_gflops(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": here.cpu or platform.processor() or platform.machine(),
+        "isa_flags": list(here.flags),
         "logical_cpus": os.cpu_count(),
         "onnxruntime": onnxruntime.__version__,
         "load_average_1_5_15": [round(value, 2) for value in load],
@@ -396,7 +401,11 @@ def _gemm_gflops(size: int = 1024, repeats: int = 5) -> float:
 
 def format_bench(report: dict[str, Any]) -> str:
     """A plain-text table of the medians and spreads of ``run_bench``'s report."""
+    machine = report["machine"]
     lines = [
+        f"cpu {machine['cpu']}, {machine['logical_cpus']} logical CPUs, {report['threads']} threads; flags "
+        f"{' '.join(machine.get('isa_flags', [])) or 'not read'}",
+        *([f"engines chosen per stage: {report['tuned']}"] if report.get("tuned") else []),
         f"engines {report['engines']} ({report['backend']}/{report['precision']}), {report['threads']} threads, "
         f"load average {report['machine']['load_average_1_5_15']}, numpy GEMM "
         f"{report['machine']['gemm_gflops']:.0f} GFLOP/s",

@@ -35,6 +35,7 @@ from ..runtime.graphs import GraphSpec
 from ..runtime.manifest import GraphRecord, TensorRecord
 from ..runtime.model import LoadedModel
 from ..runtime.ort import OrtRunner
+from . import export_reuse
 from .progress import emitter
 
 __all__ = [
@@ -110,6 +111,8 @@ def export_graph(
     """
     path = Path(path)
     emit = emitter(_LOGGER, progress)
+    if (shared := export_reuse.reused(spec.name, path, emit)) is not None:  # a tuned build's earlier export
+        return shared
     start = time.perf_counter()
     module = module.eval()
     emit(f"{spec.name}: exporting to {path.name} (opset {opset})")
@@ -130,7 +133,9 @@ def export_graph(
     files = (path, data) if data.exists() else (path,)
     seconds = time.perf_counter() - start
     emit(f"{spec.name}: done in {seconds:.1f} s, max error {_format_errors(errors)}")
-    return ExportResult(spec.name, path, files, errors, seconds)
+    result = ExportResult(spec.name, path, files, errors, seconds)
+    export_reuse.remember(result)
+    return result
 
 
 def _export_to_file(

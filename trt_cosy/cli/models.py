@@ -37,16 +37,23 @@ def download(name: str, source: str, target: Path | None) -> None:
               help="Engines directory to write (e.g. engines/cosyvoice2/onnxruntime-fp32).")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino", "mixed"]), default="auto",
               show_default=True,
-              help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else the fastest measured CPU "
-                   "engines (mixed int4 where OpenVINO has bf16 kernels, else onnxruntime int4); says which in one "
-                   "line. mixed: the LLM on onnxruntime, flow and vocoder on openvino.")
+              help="auto: tensorrt fp16 where a CUDA GPU and TensorRT are present, else each stage's CPU engines "
+                   "chosen by timing them here (--tune; --tune off: onnxruntime int4; --precision: untuned); says "
+                   "which. mixed: the LLM on onnxruntime, flow and vocoder on openvino.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Default: int4 for onnxruntime (4-bit LLM, int8 flow; fp32 for `trt-cosy verify` parity), "
                    "fp16 for tensorrt, bf16 for openvino. See docs/precision.md.")
 @click.option("--force", is_flag=True, help="Rebuild even when the manifest says nothing changed.")
 @click.option("--onnx-only", is_flag=True,
               help="TensorRT: write fp16 graphs, profiles and manifest only (no GPU needed); plans come later.")
-def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, force: bool, onnx_only: bool) -> None:
+@click.option("--tune", type=click.Choice(["on", "off"]), default="on", show_default=True,
+              help="With --backend auto on a CPU machine: build the CPU candidates, time each stage here and keep "
+                   "per stage the fastest that passes the quality guard (recorded in the manifest). off: "
+                   "today's rule, no timing.")
+@click.option("--tune-seconds", type=click.FloatRange(min=1.0), default=None,
+              help="About how long the timing may take (default 90; the candidates' builds come first).")
+def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, force: bool, onnx_only: bool,
+          tune: str, tune_seconds: float | None) -> None:
     """Export the official checkpoint to ONNX per stage and build engines for a backend."""
     from ..errors import require
 
@@ -58,8 +65,19 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
     choice = resolve_backend(backend, precision)
     if onnx_only and backend == AUTO:  # --onnx-only writes TensorRT inputs, whatever this machine has
         choice = BackendChoice("tensorrt", precision or "fp16", "--onnx-only writes TensorRT inputs")
+    if backend == AUTO and tune == "on" and precision is None and choice.backend != "tensorrt":
+        from ..builder.tuning import DEFAULT_TUNE_SECONDS, tune_build
+
+        echo_progress(f"backend: chosen per stage by timing on this CPU (today's rule would be {choice.backend} "
+                      f"{choice.precision}; --tune off keeps it)")
+        path = tune_build(model_dir, out_dir, fallback=(choice.backend, choice.precision), force=force,
+                          budget_s=tune_seconds or DEFAULT_TUNE_SECONDS,
+                          progress=lambda message: click.echo(message, err=True))
+        click.echo(f"engines ready in {path}")
+        return
     if backend == AUTO:
-        echo_progress(choice.line())
+        echo_progress(choice.line() + ("" if tune == "off" or choice.backend == "tensorrt" else
+                                       "; not tuned: --precision was given"))
     path = build_engines(model_dir, out_dir, backend=choice.backend, precision=choice.precision, force=force,
                          progress=lambda message: click.echo(message, err=True), onnx_only=onnx_only,
                          backend_reason=choice.reason)

@@ -95,6 +95,11 @@ def load_engines(
     if backend == AUTO_BACKEND:  # the backend the engines were built for
         backend = manifest.backend
     manifest.check(engines_dir, model_dir, backend=backend)
+    if manifest.tuning is not None:  # tuned on another CPU: one line saying so and how to tune again
+        from .native_guard import machine
+        from .tuning_record import warn_if_tuned_elsewhere
+
+        warn_if_tuned_elsewhere(manifest.tuning, engines_dir, machine().key, machine().cpu)
     config = model_config_from_dict(_read_json(engines_dir / MODEL_CONFIG_NAME))
     if backend == TRT_BACKEND:
         from .profiles import PROFILES_NAME, read_profiles

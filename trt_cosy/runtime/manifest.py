@@ -23,6 +23,7 @@ from ..config import QWEN_DIR, YAML_BY_FAMILY
 from ..errors import EngineMismatchError, ModelDirError
 from ..family_lookup import family_named, family_of_release
 from ..version import __version__
+from .tuning_record import TuningRecord
 
 __all__ = [
     "MANIFEST_NAME",
@@ -110,9 +111,15 @@ class Manifest:
     # compute}}``. A load on a machine with the same key and library version compiles those graphs at
     # once; elsewhere each is checked in a child first. None: nothing checked (ONNX Runtime engines).
     compile_check: dict[str, Any] | None = None
+    # What a tuned build measured and chose per stage (``runtime.tuning_record``); None: not tuned.
+    tuning: TuningRecord | None = None
 
     def to_dict(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
+        if self.tuning is None:
+            del raw["tuning"]
+        else:
+            raw["tuning"] = self.tuning.to_dict()
         if raw["nbits_blocks"] is None:  # engines without n-bit weights keep the manifest they always had
             del raw["nbits_blocks"]
         if raw["compile_check"] is None:
@@ -156,6 +163,7 @@ class Manifest:
             if raw.get("nbits_blocks") is None
             else {str(k): int(v) for k, v in raw["nbits_blocks"].items()},
             compile_check=None if raw.get("compile_check") is None else dict(raw["compile_check"]),
+            tuning=None if raw.get("tuning") is None else TuningRecord.from_dict(raw["tuning"]),
         )
 
     def write(self, engines_dir: Path) -> Path:

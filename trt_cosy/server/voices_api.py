@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ..errors import InputError
+from ..frontend.voice import Voice
 from ..synthesis import check_text
 from .errors import APIError
 from .state import ServerState
@@ -186,6 +187,8 @@ def voices_router(state: ServerState) -> APIRouter:
                 raise APIError(
                     400, str(exc).replace(str(path), "the uploaded file"), "invalid_audio", "file"
                 ) from None
+            else:  # in the same slot: its first request then does no prompt work
+                await anyio.to_thread.run_sync(_prepare, state, voice)
             finally:
                 slot.release()
         finally:
@@ -199,3 +202,15 @@ def voices_router(state: ServerState) -> APIRouter:
         return {"id": name, "object": "voice", "deleted": True}
 
     return router
+
+
+def _prepare(state: ServerState, voice: Voice) -> None:
+    """The flow's prompt prefix of an uploaded voice, computed now (``CosyVoice.prepare_voice``); a
+    failure here costs only the speed of its first request, never the upload."""
+    prepare = getattr(state.tts, "prepare_voice", None)
+    if prepare is None:
+        return
+    try:
+        prepare(voice)
+    except Exception as exc:  # the voice is stored and valid; its first request computes the prefix
+        _LOGGER.warning("could not precompute the uploaded voice's flow prefix: %r", exc)

@@ -192,10 +192,30 @@ class FlowStage:
             self.config.estimator, cfm.n_timesteps, self.cache_limit_bytes, self.cache_max_frames
         )
 
+    def prepare_voice(self, prompt_tokens: np.ndarray, prompt_feat: np.ndarray, embedding: np.ndarray) -> bool:
+        """Compute a voice's prompt prefix now (``VoicePrefixes``), so that its first streaming request
+        starts from it instead of computing it; True when the voice has one (kept or made here).
+
+        Takes the arrays as a request passes them (``pipeline.render_chunk``): tokens [1, P],
+        ``prompt_feat`` [1, 2P, 80], ``embedding`` [1, 192]. Nothing to do without the incremental graph.
+        """
+        if self.incremental_runner is None:
+            return False
+        tokens = np.asarray(prompt_tokens).astype(np.int64)
+        return self._voice_prefix(tokens, np.asarray(prompt_feat, np.float32), embedding) is not None
+
     def _load_prefix(
         self, cache: FlowCache, prompt_tokens: np.ndarray, prompt_feat: np.ndarray, embedding: np.ndarray
     ) -> None:
-        """Start a fresh segment cache from its voice's prompt prefix (computed on first use).
+        """Start a fresh segment cache from its voice's prompt prefix (computed on first use)."""
+        prefix = self._voice_prefix(prompt_tokens, prompt_feat, embedding)
+        if prefix is not None:
+            cache.load(prefix)
+
+    def _voice_prefix(
+        self, prompt_tokens: np.ndarray, prompt_feat: np.ndarray, embedding: np.ndarray
+    ) -> FlowCache | None:
+        """The voice's prompt prefix: kept, else computed and kept; None when the prompt has none.
 
         The prefix is the prompt's completed chunks whose encoder look-ahead stays in the prompt: their
         frames come out the same in every streaming call with this voice.
@@ -204,32 +224,44 @@ class FlowStage:
         chunk_tokens = self.config.estimator.static_chunk_size // self.config.token_mel_ratio
         chunks = (prompt_tokens.shape[1] - lookahead) // chunk_tokens
         if chunks <= 0 or self.voice_prefixes.slots <= 0:
-            return
+            return None
         key = VoicePrefixes.key(prompt_tokens, prompt_feat, embedding)
         prefix = self.voice_prefixes.get(key)
         if prefix is None:
-            tokens = prompt_tokens[:, : chunks * chunk_tokens + lookahead]  # [1, n + L]
-            mu, spks = self._encode(tokens, embedding, streaming=True, finalize=False)  # mu: [1, 80, 2n]
-            frames = mu.shape[2]
-            prefix = self._flow_cache()
-            if not prefix.usable_for(frames):
-                return
-            cond = np.zeros_like(mu)  # [1, 80, 2n]
-            cond[0] = prompt_feat[0, :frames].T
-            cfm = self.config.cfm
-            solve_euler_incremental(
-                self.incremental_runner,
-                prefix,
-                mu,
-                spks,
-                cond,
-                self.noise[:, :, :frames],
-                cosine_t_span(cfm.n_timesteps),
-                cfm.inference_cfg_rate,
-            )
+            prefix = self._compute_prefix(prompt_tokens, prompt_feat, embedding, chunks * chunk_tokens + lookahead)
+            if prefix is None:
+                return None
             self.voice_prefixes.put(key, prefix)
-            _LOGGER.debug("flow: voice prefix of %d frames computed (%.0f MiB)", frames, prefix.nbytes / 2**20)
-        cache.load(prefix)
+            _LOGGER.debug(
+                "flow: voice prefix of %d frames computed (%.0f MiB)", prefix.frames, prefix.nbytes / 2**20
+            )
+        return prefix
+
+    def _compute_prefix(
+        self, prompt_tokens: np.ndarray, prompt_feat: np.ndarray, embedding: np.ndarray, count: int
+    ) -> FlowCache | None:
+        """The prefix over the first ``count`` prompt tokens (look-ahead included), or None when it
+        would not fit a cache."""
+        tokens = prompt_tokens[:, :count]  # [1, n + L]
+        mu, spks = self._encode(tokens, embedding, streaming=True, finalize=False)  # mu: [1, 80, 2n]
+        frames = mu.shape[2]
+        prefix = self._flow_cache()
+        if not prefix.usable_for(frames):
+            return None
+        cond = np.zeros_like(mu)  # [1, 80, 2n]
+        cond[0] = prompt_feat[0, :frames].T
+        cfm = self.config.cfm
+        solve_euler_incremental(
+            self.incremental_runner,
+            prefix,
+            mu,
+            spks,
+            cond,
+            self.noise[:, :, :frames],
+            cosine_t_span(cfm.n_timesteps),
+            cfm.inference_cfg_rate,
+        )
+        return prefix
 
     def _check(self, all_tokens: np.ndarray, prompt_feat: np.ndarray, finalize: bool) -> None:
         lookahead = self.config.encoder.pre_lookahead_len
