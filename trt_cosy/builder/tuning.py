@@ -118,7 +118,7 @@ def candidates_here(cpu: Machine, openvino: bool, bf16: bool, quantizable: bool 
 def _default_candidates(model_dir: Path) -> list[Candidate]:
     import importlib.util
 
-    from ..models.registry import family_of_release
+    from ..family_lookup import family_of_release
     from ..runtime.backend_choice import cpu_has_bf16_kernels
     from .quantize.engines import QUANTIZABLE_FAMILIES
 
@@ -167,7 +167,7 @@ def tune_build(
     ``candidates``: default ``candidates_here`` for this machine; ``build``/``measure``: the seams
     (default ``builder.engines.build_engines`` and ``measure_in_child``).
     """
-    from ..models.registry import family_of_release
+    from ..family_lookup import family_of_release
     from ..runtime.cpu_budget import default_threads
     from .engines import (  # one staging rule for all builds
         _check_replaceable,
@@ -449,7 +449,7 @@ def _measure(
     import numpy as np
 
     from ..families import build_stages
-    from ..models.registry import family_of
+    from ..family_lookup import family_of
     from ..runtime.engines import load_engines
     from ..verify.quality import QualityInputs, next_token_agreement, snr_db
 
