@@ -21,6 +21,25 @@ def pytest_configure(config):
 V2_TINY = DATA / "cosyvoice2-tiny"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_exports(tmp_path_factory):
+    """The session's builds export each distinct graph once (``builder.export_reuse``, through the
+    environment so that the builds of ``trt-cosy`` child processes share too): the tiny checkpoints are
+    built many times over (backends, precisions, families), and the torch exports were most of the
+    suite's time. An export is reused only for the same module, weights, feeds and settings."""
+    import os
+
+    from trt_cosy.builder.export_reuse import EXPORT_CACHE_ENV  # numpy only
+
+    previous = os.environ.get(EXPORT_CACHE_ENV)
+    os.environ[EXPORT_CACHE_ENV] = str(tmp_path_factory.getbasetemp() / "shared-exports")
+    yield
+    if previous is None:
+        os.environ.pop(EXPORT_CACHE_ENV, None)
+    else:
+        os.environ[EXPORT_CACHE_ENV] = previous
+
+
 @pytest.fixture(scope="session")
 def v2_tiny_dir() -> Path:
     return V2_TINY

@@ -33,6 +33,16 @@ from trt_cosy.runtime.ort import OrtRunner
 
 pytestmark = pytest.mark.slow  # one tiny build (five dynamo exports, ~45 s on 2 cores) per session
 
+
+
+@pytest.fixture(autouse=True)
+def _fresh_exports(monkeypatch):
+    """These tests check the export itself: no export of an earlier build is reused here."""
+    from trt_cosy.builder.export_reuse import EXPORT_CACHE_ENV
+
+    monkeypatch.delenv(EXPORT_CACHE_ENV, raising=False)
+
+
 TOY = GraphSpec(
     "toy",
     inputs=(TensorSpec("x", "float32", (1, "T", 8)),),

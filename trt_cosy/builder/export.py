@@ -111,7 +111,10 @@ def export_graph(
     """
     path = Path(path)
     emit = emitter(_LOGGER, progress)
-    if (shared := export_reuse.reused(spec.name, path, emit)) is not None:  # a tuned build's earlier export
+    key = export_reuse.export_key(
+        spec.name, path.name, module, [sample_inputs, *parity_inputs], dynamic_shapes, opset, tolerance
+    )
+    if (shared := export_reuse.reused(key, spec.name, path, emit)) is not None:  # an earlier build's export
         return shared
     start = time.perf_counter()
     module = module.eval()
@@ -134,7 +137,7 @@ def export_graph(
     seconds = time.perf_counter() - start
     emit(f"{spec.name}: done in {seconds:.1f} s, max error {_format_errors(errors)}")
     result = ExportResult(spec.name, path, files, errors, seconds)
-    export_reuse.remember(result)
+    export_reuse.remember(key, result)
     return result
 
 
