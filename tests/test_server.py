@@ -269,13 +269,11 @@ def multi_chunk_seed(tts, text: str, voices_dir, voice_name: str = "alice") -> i
     raise AssertionError(f"no seed in 0..19 streams {text!r} in two chunks")
 
 
-# Long enough that the LLM's minimum length (2 tokens per text token) passes the first streaming chunk
-# (25 tokens + prompt pad + look-ahead), so a streamed reply always has at least two chunks.
-LONG_INPUT = (
-    "Good morning, and welcome to a streamed reply: this sentence is long on purpose, so that the speech it "
-    "makes arrives in several chunks, one after another, while the server is still working on the rest of "
-    "it, as a voice product would play it to a listener."
-)
+# Long enough that the LLM's minimum length (2 speech tokens per text token: 43 text tokens with the test
+# tokenizer, so at least 86 speech tokens) passes the first streaming chunk (25 tokens + at most 24 of prompt
+# pad + 3 of look-ahead), so a streamed reply always has at least two chunks; short enough that the random
+# tiny LLM, which speaks to its maximum (20 speech tokens per text token), says at most 34 s.
+LONG_INPUT = "Good morning, and welcome to a streamed reply: this sentence is long on purpose."
 
 
 def test_openai_python_client_streams_pcm_by_default(served, monkeypatch):
