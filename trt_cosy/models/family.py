@@ -24,6 +24,7 @@ from ..pipeline import Request
 from ..runtime.base import Runner
 from ..runtime.graphs import GraphSpec
 from ..runtime.model import LoadedModel
+from ..stages.bistream import BistreamPrompt
 from ..synthesis import LLMPrompt
 
 __all__ = ["Family", "QualityFeeds"]
@@ -79,6 +80,7 @@ class Family(ABC):
     build_family: ClassVar[str]
     openvino_incremental: ClassVar[bool] = False
     quality: ClassVar[QualityFeeds]
+    text_streaming: ClassVar[bool] = False  # text may arrive while it speaks (``bistream_prompt``)
 
     @property
     @abstractmethod
@@ -135,6 +137,16 @@ class Family(ABC):
         self, voice: Voice, instruct_ids: np.ndarray | None, encode: Callable[[str], list[int]]
     ) -> LLMPrompt:
         """What the LLM gets besides the text for ``voice`` (and an instruction), spec §2.4."""
+
+    def bistream_prompt(
+        self, config: Any, prompt: LLMPrompt, token_to_id: Callable[[str], int | None]
+    ) -> BistreamPrompt:
+        """The LLM prompt split for text that arrives while speaking (official ``inference_bistream``,
+        ``stages.bistream``); ``InputError`` where the family has no such mode (``text_streaming``)."""
+        raise InputError(
+            f"{self.title} cannot take text while it speaks (the official code streams text into CosyVoice2 "
+            "and CosyVoice3 only); pass the whole text as one str."
+        )
 
     def voice_fits(self, config: Any, voice: Voice) -> bool:
         """Whether the voice's prompt arrays have the shapes this model's stages expect."""

@@ -18,6 +18,7 @@ from ...config import (
     QwenConfig,
     hift_fields,
     mel_config_from_yaml,
+    mix_ratio_from_yaml,
     yaml_child,
     yaml_node,
 )
@@ -57,6 +58,7 @@ def _v2_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> ModelC
             top_p=float(sampling_kwargs.get("top_p", 0.8)),
             top_k=int(sampling_kwargs.get("top_k", 25)),
             win_size=int(sampling_kwargs.get("win_size", 10)),
+            mix_ratio=mix_ratio_from_yaml(llm.get("mix_ratio", (5, 15))),
             tau_r=float(sampling_kwargs.get("tau_r", 0.1)),
         )
         if llm_config.llm_input_size != qwen.hidden_size:
