@@ -84,9 +84,13 @@ def _speak(url: str, pieces: list[str], delay: float = 0.15) -> dict:
         started = _start(ws)
         assert started == {"type": "started", "sample_rate": 24000, "format": "pcm", "voice": "alice"}
         sent: list[float] = []
+        first_audio = threading.Event()
+        held: list[bool] = []
 
         def send_text():
-            for piece in pieces:
+            for index, piece in enumerate(pieces):
+                if index == len(pieces) - 1:  # waits for audio (60 s at most): no race with the load
+                    held.append(first_audio.wait(60))
                 ws.send(json.dumps({"type": "text", "text": piece + " "}))
                 sent.append(time.monotonic())
                 time.sleep(delay)
@@ -100,20 +104,21 @@ def _speak(url: str, pieces: list[str], delay: float = 0.15) -> dict:
             if isinstance(frame, bytes):
                 audio += frame
                 arrivals.append(time.monotonic())
+                first_audio.set()
             else:
                 done = json.loads(frame)
         sender.join(30)
         with pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=30)
         assert closed.value.rcvd.code == 1000
-    return {"done": done, "audio": bytes(audio), "arrivals": arrivals, "sent": sent}
+    return {"done": done, "audio": bytes(audio), "arrivals": arrivals, "sent": sent, "held": held}
 
 
 def test_audio_comes_while_text_is_still_sent_then_the_counts(url):
     result = _speak(url, PIECES)
     done, audio, arrivals, sent = result["done"], result["audio"], result["arrivals"], result["sent"]
     assert done["type"] == "done"
-    assert arrivals and arrivals[0] < sent[-1]  # audio before the last piece went out
+    assert result["held"] == [True] and arrivals[0] < sent[-1]  # audio before the last piece went out
     assert done["text_pieces"] == len(PIECES) and done["text_chars"] == sum(len(p) + 1 for p in PIECES)
     assert done["chunks"] >= 2 and done["chunks"] == len(arrivals)
     assert len(audio) % 2 == 0 and done["audio_seconds"] == pytest.approx(len(audio) / 2 / 24000, abs=1e-3)

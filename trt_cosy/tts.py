@@ -376,12 +376,12 @@ class CosyVoice:
                 "CosyVoice2 and CosyVoice3 only); pass the whole text as one str."
             )
         if isinstance(text, TextStream):
-            return text
+            return text.claim()
         if isinstance(text, (bytes, bytearray)) or not isinstance(text, Iterable):
             raise InputError(
                 f"text must be a str, an iterable of str pieces or a TextStream, got {type(text).__name__}."
             )
-        return TextStream(self.tokenizer.encode, text)
+        return TextStream(self.tokenizer.encode, text).claim()
 
     def vc_voice_from_wav(self, path: str | Path) -> Voice:
         """The target voice of a voice conversion from a reference recording, as the official

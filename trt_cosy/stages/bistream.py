@@ -58,6 +58,7 @@ __all__ = [
     "BistreamSpecials",
     "Feed",
     "NeedText",
+    "Stop",
     "TextStream",
     "TextEnded",
     "bistream_program",
@@ -69,6 +70,7 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 END: Final = -1  # ``TextStream.take``: the text has ended
 DEFAULT_MIX: Final = (5, 15)
+MAX_STEP_ROWS: Final = 8  # rows per decode call after the prefill (``ProfileLimits.max_decode_step``)
 
 
 class BistreamSpecials(NamedTuple):
@@ -145,6 +147,15 @@ class TextStream:
         self.ids_received = 0
         self.first_piece_at: float | None = None  # time.perf_counter() of the first piece
         self.last_piece_at: float | None = None
+        self.claimed = False  # a request reads it (one request per stream: ``claim``)
+
+    def claim(self) -> TextStream:
+        """Mark the stream as read by a request; ``InputError`` when another request has it already."""
+        with self._changed:
+            if self.claimed:
+                raise InputError("this TextStream already feeds a request; make one TextStream per request.")
+            self.claimed = True
+        return self
 
     @property
     def ended(self) -> bool:
@@ -383,6 +394,7 @@ def decode_alone(program: Generator[Any, Any, None], text: TextStream, decoder: 
     reply: Any = None
     started = time.perf_counter()
     count = 0
+    fed = False
     try:
         while True:
             tokens, action = advance(program, reply)
@@ -394,7 +406,13 @@ def decode_alone(program: Generator[Any, Any, None], text: TextStream, decoder: 
                 text.wait(action.wanted)
                 reply = None
             else:
-                reply = decoder.step(np.ascontiguousarray(action.rows[None], dtype=np.float32))[0, -1]  # [V]
+                rows = np.ascontiguousarray(action.rows, dtype=np.float32)  # [T, D]
+                # After the prefill, feeds go in pieces of at most MAX_STEP_ROWS (TensorRT's decode profiles
+                # take up to 8 new positions; causal attention makes the split exact up to rounding).
+                step = len(rows) if not fed else MAX_STEP_ROWS
+                for start in range(0, len(rows), step):
+                    reply = decoder.step(rows[None, start : start + step])[0, -1]  # [V]
+                fed = True
     finally:
         program.close()
         _LOGGER.debug("llm (bistream): %d tokens in %.3f s", count, time.perf_counter() - started)
