@@ -23,6 +23,7 @@ __all__ = [
     "AudioChunk",
     "SynthesisConfig",
     "EngineConfig",
+    "TextStream",
     "TrtCosyError",
     "InputError",
     "ModelDirError",
@@ -37,12 +38,14 @@ _LAZY = {
     "AudioChunk": ".synthesis",
     "SynthesisConfig": ".synthesis",
     "EngineConfig": ".synthesis",
+    "TextStream": ".stages.bistream",
     "ModelConfig": ".config",  # kept importable from here; not part of __all__
 }
 
 if TYPE_CHECKING:
     from .config import ModelConfig as ModelConfig
     from .frontend.voice import Voice
+    from .stages.bistream import TextStream
     from .synthesis import AudioChunk, EngineConfig, SynthesisConfig
     from .tts import CosyVoice
 

@@ -108,6 +108,10 @@ class LLMConfig(SpeechSampling):
     llm_input_size: int
     speech_token_size: int = 6561  # FSQ 3^8 speech tokens; ids >= this are specials
     num_speech_specials: int = 3  # v2: eos 6561, 6562, fill 6563
+    mix_ratio: tuple[int, int] = (
+        5,
+        15,
+    )  # text ids : prompt speech tokens per block of streamed text (bistream)
 
     @property
     def speech_vocab_size(self) -> int:
@@ -335,3 +339,15 @@ def mel_config_from_yaml(
         fmax=None if fmax is None else float(fmax),
         center=bool(node.get("center", False)),
     )
+
+
+def mix_ratio_from_yaml(values: Any) -> tuple[int, int]:
+    """A Qwen2LM's ``mix_ratio`` from its yaml node (text ids, prompt speech tokens per block of
+    streamed text; the official default is [5, 15])."""
+    try:
+        text, speech = (int(v) for v in values)
+    except (TypeError, ValueError) as exc:
+        raise ModelDirError(f"the llm's mix_ratio {values!r} is not two integers ({exc}).") from None
+    if text < 1 or speech < 1:
+        raise ModelDirError(f"the llm's mix_ratio {values!r} must be two positive integers.")
+    return text, speech

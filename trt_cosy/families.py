@@ -1,7 +1,7 @@
 """Per-family calls of ``CosyVoice`` (``trt_cosy.tts``), by family name: each asks the family object.
 
 What differs between CosyVoice 1, 2 and 3 lives in ``trt_cosy/models/<name>/family.py`` (the
-``Family`` interface, ``trt_cosy.models.family``); ``trt_cosy.models.registry`` maps a name to it.
+``Family`` interface, ``trt_cosy.models.family``); ``trt_cosy.family_lookup`` maps a name to it.
 This module keeps the name-based calls that ``CosyVoice`` and older code use.
 """
 

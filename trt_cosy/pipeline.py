@@ -40,6 +40,7 @@ from .token_feed import Cancelled, TokenFeed
 if TYPE_CHECKING:
     from .config import ModelConfig
     from .frontend.voice import Voice
+    from .stages.bistream import BistreamPrompt, TextStream
 
 __all__ = [
     "TokenFeed",
@@ -134,6 +135,10 @@ class Request:
     render_turns: RenderTurns | None = RENDER_TURNS
     """Renders of concurrent requests take turns (first chunks first); None: they run at once."""
     render_priority: tuple[int, int, int] | None = None
+    text_stream: TextStream | None = None
+    """Text that arrives while the request speaks (one segment; ``LLMStage.generate_bistream`` with
+    ``bistream_prompt``); None: the segments' text is all there."""
+    bistream_prompt: BistreamPrompt | None = None
     """This request's place in the render turns (``RenderTurns.turn``), from a server's admission
     (``server.admission.render_priority``); None: each render in its arrival order (requests share
     the turns)."""
@@ -173,10 +178,16 @@ class Request:
         vocoder graph at its next node (backends that can abort a run); the generator then ends."""
         self.feed.cancel()
         self.runs.cancel()
+        if self.text_stream is not None:
+            self.text_stream.abort()  # the LLM worker may wait for text
 
     def _decode(self, index: int) -> Iterator[int]:
         """The speech tokens of segment ``index`` (lazy; runs in the LLM worker thread)."""
         prompt = self.prompt
+        if self.text_stream is not None:
+            return self.stages.llm.generate_bistream(
+                self.text_stream, self.bistream_prompt, self.sampler, self.max_new_tokens
+            )
         return self.stages.llm.generate(
             self.segments[index].ids, prompt.text_ids, prompt.speech_ids, self.sampler, self.max_new_tokens
         )
@@ -193,6 +204,8 @@ class Request:
         except Cancelled:
             _LOGGER.debug("request cancelled")
         finally:
+            if self.text_stream is not None:
+                self.text_stream.abort()  # wakes the LLM worker if it waits for text
             self.feed.close()
             self._flow_cache = None  # a stopped segment's cache goes with it
             heap.trim()  # the request's freed blocks go back to the OS (servers: "Memory under load")

@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -36,6 +36,7 @@ from .models.registry import family_named
 from .pipeline import CancellableChunks, Request, iterate_in_thread
 from .runtime.model import LoadedModel
 from .runtime.ort import LazyOrtRunner
+from .stages.bistream import TextStream, pump_async_text
 from .synthesis import (
     AudioChunk,
     EngineConfig,
@@ -259,7 +260,7 @@ class CosyVoice:
 
     def synthesize(
         self,
-        text: str,
+        text: str | Iterable[str] | TextStream,
         voice: Voice | str,
         seed: int | None = None,
         config: SynthesisConfig | None = None,
@@ -276,6 +277,11 @@ class CosyVoice:
         Args:
             text: what to say; it is normalised, split into sentences and merged into segments as the
                 official frontend does (``AudioChunk.segment`` / ``segments`` say where a chunk belongs).
+                Or text still being written (CosyVoice2/3): an iterable of str pieces (pulled by the
+                request's LLM thread as it needs text) or a ``TextStream`` you ``put`` pieces into;
+                the official bistream decoding (``stages.bistream``): the speech starts after the first
+                few words; the pieces are tokenised one by one, not normalised and not split (as the
+                official code does with a text generator); one segment.
             voice: from ``voice_from_wav`` or ``Voice.load``, made for this model; or the name of a
                 preset speaker (``speakers``; CosyVoice-300M-SFT/-Instruct).
             seed: the same seed gives the same audio; None draws fresh entropy.
@@ -285,24 +291,36 @@ class CosyVoice:
 
     async def asynthesize(
         self,
-        text: str,
+        text: str | Iterable[str] | AsyncIterable[str] | TextStream,
         voice: Voice | str,
         seed: int | None = None,
         config: SynthesisConfig | None = None,
     ) -> AsyncIterator[AudioChunk]:
-        """``synthesize`` for asyncio: the same chunks, computed in a worker thread.
+        """``synthesize`` for asyncio: the same chunks, computed in a worker thread; ``text`` may also be
+        an async iterable of str pieces (read by a task of this loop while the audio comes).
 
         The checks run at the first ``__anext__`` (``InputError``). Errors of the work are raised in
         the consumer; when the consumer stops iterating (``break``, ``aclose``) or its task is
         cancelled, the work is cancelled too (the LLM stops after its current token, a chunk being
         rendered is finished and dropped).
         """
+        if isinstance(text, AsyncIterable):
+            stream = TextStream(self.tokenizer.encode)
+            request = self._request(stream, voice, seed, config)
+            async with pump_async_text(text, stream):
+                async for chunk in iterate_in_thread(request):
+                    yield chunk
+            return
         request = self._request(text, voice, seed, config)
         async for chunk in iterate_in_thread(request):
             yield chunk
 
     def _request(
-        self, text: str, voice: Voice | str, seed: int | None, config: SynthesisConfig | None
+        self,
+        text: str | Iterable[str] | TextStream,
+        voice: Voice | str,
+        seed: int | None,
+        config: SynthesisConfig | None,
     ) -> Request:
         """Check the inputs and plan the request (nothing runs yet)."""
         config = config or SynthesisConfig()
@@ -314,8 +332,12 @@ class CosyVoice:
         prompt = self.llm_prompt(voice, config.instruct)
         budget = families.speech_budget(self.model, voice)  # speech tokens the engines can render
         limit = self._segment_limit(voice, budget, config)
-        split = None if config.text_frontend is False else self._normalizer_for(config.normalizer).split
-        segments = plan_segments(text, split, self.tokenizer.encode, limit)
+        stream = self._text_stream(text)
+        if stream is None:
+            split = None if config.text_frontend is False else self._normalizer_for(config.normalizer).split
+            segments = plan_segments(text, split, self.tokenizer.encode, limit)  # type: ignore[arg-type]
+        else:
+            segments = [Segment("", np.zeros(0, np.int64))]  # streamed text: one segment, as officially
         request_class = families.request_class(self.family)
         schedules = family_named(self.family).stream_schedules
         if config.stream_schedule not in schedules:
@@ -335,7 +357,31 @@ class CosyVoice:
             schedule=config.stream_schedule,
         )
         request.speed = 1.0 if config.speed is None else float(config.speed)
+        if stream is not None:
+            family = family_named(self.family)
+            request.bistream_prompt = family.bistream_prompt(
+                self.model.config, prompt, self.tokenizer.token_to_id
+            )
+            request.text_stream = stream
         return request
+
+    def _text_stream(self, text: object) -> TextStream | None:
+        """None for a str; the ``TextStream`` of streamed text (checked: the family must take it)."""
+        if isinstance(text, str):
+            return None
+        family = family_named(self.family)
+        if not family.text_streaming:
+            raise InputError(
+                f"{family.title} cannot take text while it speaks (the official code streams text into "
+                "CosyVoice2 and CosyVoice3 only); pass the whole text as one str."
+            )
+        if isinstance(text, TextStream):
+            return text.claim()
+        if isinstance(text, (bytes, bytearray)) or not isinstance(text, Iterable):
+            raise InputError(
+                f"text must be a str, an iterable of str pieces or a TextStream, got {type(text).__name__}."
+            )
+        return TextStream(self.tokenizer.encode, text).claim()
 
     def vc_voice_from_wav(self, path: str | Path) -> Voice:
         """The target voice of a voice conversion from a reference recording, as the official

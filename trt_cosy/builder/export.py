@@ -114,8 +114,8 @@ def export_graph(
     key = export_reuse.export_key(
         spec.name, path.name, module, [sample_inputs, *parity_inputs], dynamic_shapes, opset, tolerance
     )
-    if (shared := export_reuse.reused(key, spec.name, path, emit)) is not None:  # an earlier build's export
-        return shared
+    if (kept := export_reuse.reused(key, spec.name, path, emit)) is not None:  # an earlier build's export
+        return ExportResult(spec.name, path, kept.files, kept.max_errors, kept.seconds)
     start = time.perf_counter()
     module = module.eval()
     emit(f"{spec.name}: exporting to {path.name} (opset {opset})")

@@ -22,13 +22,21 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
 ExportResult = Any  # builder.export.ExportResult (a frozen dataclass; not imported: export imports this)
 
-__all__ = ["EXPORT_CACHE_ENV", "shared_exports", "export_key", "reused", "remember"]
+
+class KeptExport(NamedTuple):
+    """A reused export: its copied files (the graph first), the max errors and seconds it was made with."""
+
+    files: tuple[Path, ...]
+    max_errors: dict[str, float]
+    seconds: float
+
+__all__ = ["EXPORT_CACHE_ENV", "KeptExport", "shared_exports", "export_key", "reused", "remember"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -103,8 +111,8 @@ def _fingerprint(value: Any) -> str:
     return repr(value)
 
 
-def reused(key: str | None, name: str, path: Path, emit: Callable[[str], None]) -> ExportResult | None:
-    """A copy at ``path`` of the export kept under ``key`` (an ``ExportResult``), or None."""
+def reused(key: str | None, name: str, path: Path, emit: Callable[[str], None]) -> KeptExport | None:
+    """Copies at ``path`` (and its data file) of the export kept under ``key``, or None."""
     store = _store()
     if key is None or store is None:
         return None
@@ -113,8 +121,6 @@ def reused(key: str | None, name: str, path: Path, emit: Callable[[str], None]) 
         meta = json.loads((kept / _META).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    from .export import ExportResult  # a lazy import: export imports this module
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     files = []
@@ -123,7 +129,7 @@ def reused(key: str | None, name: str, path: Path, emit: Callable[[str], None]) 
         shutil.copy2(kept / file_name, target)
         files.append(target)
     emit(f"{name}: reusing an earlier export of the same weights and feeds ({key[:12]})")
-    return ExportResult(name, path, tuple(files), dict(meta["max_errors"]), float(meta["seconds"]))
+    return KeptExport(tuple(files), dict(meta["max_errors"]), float(meta["seconds"]))
 
 
 def remember(key: str | None, result: ExportResult) -> None:

@@ -20,7 +20,7 @@ def load_torch_model(
     """Load an official release directory (any family) into our torch modules (fp32, CPU).
 
     Args:
-        model_dir: the release folder; its yaml picks the family (``models.registry.family_of_release``).
+        model_dir: the release folder; its yaml picks the family (``family_lookup.family_of_release``).
         threads: torch intra-op threads (None: torch's default).
         hift_noise_seconds: CosyVoice3 only: how much of the fixed 300 s HiFT noise buffer to keep
             (None: all of it, about 0.26 GB); ignored for the other families.

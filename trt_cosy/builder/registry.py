@@ -1,8 +1,8 @@
 """A family's torch side (``BuildFamily``), found through the one family registry.
 
-Each ``Family`` (``trt_cosy.models.registry.FAMILIES``) names its build family as ``"module:Class"``
+Each ``Family`` (``trt_cosy.family_lookup.FAMILIES``) names its build family as ``"module:Class"``
 (``Family.build_family``, in ``trt_cosy/models/<name>/export/``); it is imported here on first use, so the
-runtime never imports torch. Adding a family is one folder and one line in ``models/registry.py``
+runtime never imports torch. Adding a family is one folder and one line in ``family_lookup.py``
 (docs/architecture.md, "Adding a family").
 """
 

@@ -122,11 +122,9 @@ def _default_candidates(model_dir: Path) -> list[Candidate]:
     from ..runtime.backend_choice import cpu_has_bf16_kernels
     from .quantize.engines import QUANTIZABLE_FAMILIES
 
-    family = family_of_release(model_dir).name
+    quantizable = family_of_release(model_dir).name in QUANTIZABLE_FAMILIES
     openvino = importlib.util.find_spec("openvino") is not None
-    return candidates_here(
-        machine(), openvino, openvino and cpu_has_bf16_kernels(), family in QUANTIZABLE_FAMILIES
-    )
+    return candidates_here(machine(), openvino, openvino and cpu_has_bf16_kernels(), quantizable)
 
 
 def _builder(model_dir: Path) -> Build:

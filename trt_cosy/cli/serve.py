@@ -31,13 +31,18 @@ from .options import backend_option, engines_or_model_dir
                    "(Triton's HTTP infer endpoint refuses decoupled models).")
 @click.option("--python-path", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Folder put first on the backend stub's import path (repeatable), e.g. a venv's site-packages.")
+@click.option("--text-streaming", is_flag=True,
+              help="Text in several requests of one sequence (START: voice + first piece, END: last piece); "
+                   "the START request's responses carry the audio (docs/text-streaming.md).")
 def triton_repo(engines: Path, repo: Path, model_name: str, instances: int, device: str, voices_dir: Path | None,
-                max_queue: int, threads: int | None, decoupled: bool, python_path: tuple[str, ...]) -> None:
+                max_queue: int, threads: int | None, decoupled: bool, python_path: tuple[str, ...],
+                text_streaming: bool) -> None:
     """Write a Triton Inference Server model repository (Python backend) that serves the engines."""
     from ..serving.triton_repo import TritonRepoOptions, write_triton_repo
 
     options = TritonRepoOptions(model_name=model_name, instances=instances, device=device, voices_dir=voices_dir,
-                                max_queue=max_queue, decoupled=decoupled, threads=threads, python_path=python_path)
+                                max_queue=max_queue, decoupled=decoupled, threads=threads, python_path=python_path,
+                                text_streaming=text_streaming)
     model_dir = write_triton_repo(engines, repo, options)
     click.echo(f"wrote {model_dir}; serve it with: tritonserver --model-repository {repo.resolve()}")
 

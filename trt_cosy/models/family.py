@@ -1,7 +1,7 @@
 """What a model family is to the rest of trt-cosy: the ``Family`` interface (numpy only).
 
 One subclass per family, in ``trt_cosy/models/<name>/family.py``, holds everything that differs
-between CosyVoice 1, 2 and 3 on the inference side; ``trt_cosy.models.registry`` maps a release
+between CosyVoice 1, 2 and 3 on the inference side; ``trt_cosy.family_lookup`` maps a release
 directory, a model config or a manifest's ``family`` field to its instance. Shared code asks the
 family object and never compares family names. The torch side (modules, export plans, reference
 runner, test-model writer) is ``trt_cosy.builder.build_family.BuildFamily``.
@@ -24,6 +24,7 @@ from ..pipeline import Request
 from ..runtime.base import Runner
 from ..runtime.graphs import GraphSpec
 from ..runtime.model import LoadedModel
+from ..stages.bistream import BistreamPrompt
 from ..synthesis import LLMPrompt
 
 __all__ = ["Family", "QualityFeeds"]
@@ -87,6 +88,7 @@ class Family(ABC):
     quantized_graphs: ClassVar[Mapping[str, str]]
     # ``profile_builder(config, limits)``: the family's TensorRT profiles (``models/<name>/profiles.py``).
     profile_builder: ClassVar[Callable[[Any, Any], list[Any]]]
+    text_streaming: ClassVar[bool] = False  # text may arrive while it speaks (``bistream_prompt``)
 
     @property
     @abstractmethod
@@ -148,6 +150,16 @@ class Family(ABC):
         self, voice: Voice, instruct_ids: np.ndarray | None, encode: Callable[[str], list[int]]
     ) -> LLMPrompt:
         """What the LLM gets besides the text for ``voice`` (and an instruction), spec §2.4."""
+
+    def bistream_prompt(
+        self, config: Any, prompt: LLMPrompt, token_to_id: Callable[[str], int | None]
+    ) -> BistreamPrompt:
+        """The LLM prompt split for text that arrives while speaking (official ``inference_bistream``,
+        ``stages.bistream``); ``InputError`` where the family has no such mode (``text_streaming``)."""
+        raise InputError(
+            f"{self.title} cannot take text while it speaks (the official code streams text into CosyVoice2 "
+            "and CosyVoice3 only); pass the whole text as one str."
+        )
 
     def voice_fits(self, config: Any, voice: Voice) -> bool:
         """Whether the voice's prompt arrays have the shapes this model's stages expect."""

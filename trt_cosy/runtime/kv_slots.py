@@ -110,6 +110,17 @@ class KVSlots:
         self.count += 1
         return row
 
+    def export(self, row: int) -> PrefillCache:
+        """A copy of ``row``'s cached positions (a row that leaves the batch for a while and comes back
+        with ``add``: a streamed request waiting for text)."""
+        length = int(self.lengths[row])
+        layers, (_, kv_heads, _, head_dim) = len(self.keys), self.keys[0].shape
+        cache = PrefillCache(layers, kv_heads, length, head_dim)
+        for buffers, parts in ((self.keys, cache.keys), (self.values, cache.values)):
+            for buffer, part in zip(buffers, parts, strict=True):
+                part[0] = buffer[row, :, :length]  # [H, T, Dh]
+        return cache
+
     def remove(self, row: int) -> int | None:
         """Free ``row``; the last active row moves into it. Returns the row that moved there (its old
         index was ``count`` after this call), or None when ``row`` was the last one."""

@@ -40,6 +40,7 @@ from .metrics import Metrics, MetricsMiddleware, exposition_for, path_label
 from .playground import playground_router
 from .settings import ServerSettings
 from .speech import speech_router
+from .speech_stream import speech_stream_router
 from .state import ServerState
 from .timeouts import BodyReadTimeout
 from .voices_api import voices_router
@@ -109,6 +110,7 @@ def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
     app.state.server = state
     _add_error_handlers(app, metrics)
     app.include_router(speech_router(state))
+    app.include_router(speech_stream_router(state))
     app.include_router(voices_router(state))
     app.include_router(conversions_router(state))
     _add_info_routes(app, state)

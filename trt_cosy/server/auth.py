@@ -15,9 +15,12 @@ from typing import Final
 
 from .errors import error_body
 
-__all__ = ["BearerAuth", "OPEN_ROUTES"]
+__all__ = ["BearerAuth", "OPEN_ROUTES", "WS_KEY_PREFIX"]
 
 _LOGGER = logging.getLogger(__name__)
+
+WS_KEY_PREFIX: Final = "bearer."
+"""A WebSocket client that cannot send headers (a browser) offers the subprotocol ``bearer.<key>``."""
 
 OPEN_ROUTES: Final = frozenset((method, path) for method in ("GET", "HEAD") for path in ("/health", "/"))
 """(method, path) pairs answered without a key: the health check and the playground page (whose API
@@ -79,6 +82,12 @@ class BearerAuth:
     def _check(self, scope) -> tuple[str, str] | None:
         """None when the request carries the key; else (code, message)."""
         values = [value for name, value in scope.get("headers", ()) if name == b"authorization"]
+        if not values and scope["type"] == "websocket":  # browsers cannot set headers on a WebSocket
+            values = [
+                b"Bearer " + p[len(WS_KEY_PREFIX) :].encode()
+                for p in scope.get("subprotocols", ())
+                if p.startswith(WS_KEY_PREFIX)
+            ]
         if not values:
             return "missing_api_key", f"this server needs an API key: {_HOW}."
         scheme, _, token = values[0].strip().partition(b" ")

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +106,17 @@ class TritonPythonModel:
         max_chars = int(parameters.get("max_text_chars") or DEFAULT_MAX_TEXT_CHARS)
         self.speech = TritonSpeech(tts, voices, max_chars)
         self.sample_rate = np.array([tts.sample_rate], dtype=np.int32)  # sample_rate: [1]
+        self.text_streaming = parameters.get("text_streaming") == "true"
+        self._sequences: dict[int, _Sequence] = {}  # text-streaming sequences by correlation id
+        self._sequences_lock = threading.Lock()
         _LOGGER.info("%s ready: %s from %s (decoupled %s)", args["model_instance_name"], tts.model_id, engines,
                      self.decoupled)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
+        if self.text_streaming:
+            for request in requests:
+                self._sequence_request(request, request.get_response_sender())
+            return None
         if self.decoupled:
             for request in requests:
                 self._stream(request, request.get_response_sender())
@@ -116,7 +124,57 @@ class TritonPythonModel:
         return [self._single(request) for request in requests]
 
     def finalize(self) -> None:
+        with self._sequences_lock:
+            sequences = list(self._sequences.values())
+        for sequence in sequences:
+            sequence.text.abort()
         self.speech = None
+
+    # ------------------------------------------------------------------ text streaming (sequences)
+
+    def _sequence_request(self, request: Any, sender: Any) -> None:
+        """One request of a text-streaming sequence. START: the voice and the first piece; its responses
+        carry the audio (a thread sends them while later requests bring text). Others: a piece; END on
+        the last. A non-START request is answered at once with an empty final response."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            start, end = bool(_control(request, "START")), bool(_control(request, "END"))
+            corrid = int(_control(request, "CORRID"))
+            inputs = _inputs(request)
+            if start:
+                text, chunks = self.speech.text_stream(inputs)
+                sequence = _Sequence(text, chunks, sender, self._response, self.speech.max_text_chars)
+                with self._sequences_lock:
+                    previous = self._sequences.pop(corrid, None)
+                    self._sequences[corrid] = sequence
+                if previous is not None:  # a sequence restarted without END
+                    previous.text.abort()
+                sequence.start(lambda: self._forget(corrid, sequence))
+                if end:
+                    text.end()
+                return
+            with self._sequences_lock:
+                sequence = self._sequences.get(corrid)
+            if sequence is None:
+                raise InputError(
+                    f"sequence {corrid} has no text stream: its first request must have sequence_start set "
+                    "(with the voice), or the stream has ended."
+                )
+            unknown = sorted(set(inputs) - {"text"})
+            if unknown:
+                raise InputError(f"after the first request of a sequence only 'text' is taken, got {unknown}.")
+            if "text" in inputs:
+                sequence.put(_text_piece(inputs["text"]))
+            if end:
+                sequence.text.end()
+            sender.send(flags=final)
+        except Exception as exc:  # noqa: BLE001 - this request is answered, the sequence and instance go on
+            sender.send(pb_utils.InferenceResponse(error=_error(exc)), flags=final)
+
+    def _forget(self, corrid: int, sequence: _Sequence) -> None:
+        with self._sequences_lock:
+            if self._sequences.get(corrid) is sequence:
+                del self._sequences[corrid]
 
     # ------------------------------------------------------------------ decoupled
 
@@ -156,6 +214,54 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor("audio", audio), pb_utils.Tensor("sample_rate", self.sample_rate)]
         )
+
+
+class _Sequence:
+    """A text-streaming sequence: its text, and the thread sending its audio on the START request's sender."""
+
+    def __init__(self, text: Any, chunks: Any, sender: Any, response: Any, max_chars: int):
+        self.text, self.chunks, self.sender, self.response = text, chunks, sender, response
+        self.max_chars = max_chars
+
+    def put(self, piece: str) -> None:
+        if self.text.chars + len(piece) > self.max_chars:
+            raise InputError(f"the sequence's text is longer than {self.max_chars} characters; end it and start another.")
+        self.text.put(piece)
+
+    def start(self, done: Any) -> None:
+        threading.Thread(target=self._send, args=(done,), name="trt-cosy-triton-sequence", daemon=True).start()
+
+    def _send(self, done: Any) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            for audio in self.chunks:
+                if _cancelled(self.sender):
+                    break
+                self.sender.send(self.response(audio))
+            self.sender.send(flags=final)
+        except Exception as exc:  # noqa: BLE001 - answered on the START request's stream
+            self.sender.send(pb_utils.InferenceResponse(error=_error(exc)), flags=final)
+        finally:
+            self.chunks.close()
+            self.text.abort()
+            done()
+
+
+def _control(request: Any, name: str) -> int:
+    """A sequence batcher control input (``START``, ``END``: 0/1; ``CORRID``), 0 when absent."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return int(tensor.as_numpy().reshape(-1)[0]) if tensor is not None else 0
+
+
+def _text_piece(array: np.ndarray) -> str:
+    value = np.asarray(array).reshape(-1)
+    if value.size != 1:
+        raise InputError(f"input 'text' must hold exactly one element, got {value.size}.")
+    item = value[0]
+    try:
+        return bytes(item).decode("utf-8") if isinstance(item, bytes | np.bytes_) else str(item)
+    except UnicodeDecodeError:
+        raise InputError("input 'text' is not UTF-8 text; send it UTF-8 encoded.") from None
 
 
 def _inputs(request: Any) -> dict[str, np.ndarray]:

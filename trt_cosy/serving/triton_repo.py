@@ -80,6 +80,12 @@ class TritonRepoOptions:
     """Longest text accepted, in characters."""
     python_path: tuple[str, ...] = ()
     """Folders put first on the stub's ``sys.path`` (a venv's site-packages, a numpy<2 folder)."""
+    text_streaming: bool = False
+    """Text that arrives in several requests of one sequence (Triton's sequence batcher: START with the
+    voice and the first piece, then pieces, END on the last; docs/text-streaming.md): the START request's
+    responses carry the audio as it is made. Decoupled only; one sequence per instance at a time."""
+    sequence_idle_s: float = 30.0
+    """With ``text_streaming``: a sequence with no request for this long is ended by Triton."""
 
     def __post_init__(self) -> None:
         if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
@@ -90,6 +96,8 @@ class TritonRepoOptions:
                 raise InputError(f"{name} must be a positive integer, got {value!r}.")
         if self.device not in DEVICES:
             raise InputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}.")
+        if self.text_streaming and not self.decoupled:
+            raise InputError("text streaming sends the audio as responses of the first request: it needs a decoupled model.")
 
 
 def write_triton_repo(engines: str | Path, repo: str | Path, options: TritonRepoOptions | None = None) -> Path:
@@ -149,6 +157,7 @@ def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
         "max_text_chars": str(options.max_text_chars),
         # KIND_CPU: each instance claims its slot of the machine's CPU plan (cpu_budget) and pins to it.
         "cpu_instances": str(options.instances) if kind == "KIND_CPU" else "",
+        "text_streaming": "true" if options.text_streaming else "",
     }
     inputs = ",\n".join(
         f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{" optional: true" if optional else ""} }}'
@@ -166,9 +175,28 @@ def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
         'backend: "python"\n'
         "max_batch_size: 0\n"
         f"model_transaction_policy {{ decoupled: {str(options.decoupled).lower()} }}\n"
-        f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {options.max_queue} }} }}\n"
-        f"instance_group [ {{ count: {options.instances} kind: {kind} }} ]\n"
+        + (
+            _sequence_batching(options)
+            if options.text_streaming
+            else f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {options.max_queue} }} }}\n"
+        )
+        + f"instance_group [ {{ count: {options.instances} kind: {kind} }} ]\n"
         f"input [\n{inputs}\n]\n"
         f"output [\n{outputs}\n]\n"
         f"parameters [\n{params}\n]\n"
+    )
+
+
+def _sequence_batching(options: TritonRepoOptions) -> str:
+    """The sequence batcher of a text-streaming model: START / END / CORRID control inputs (INT32 / UINT64 [1])."""
+    idle_us = int(options.sequence_idle_s * 1_000_000)
+    return (
+        "sequence_batching {\n"
+        f"  max_sequence_idle_microseconds: {idle_us}\n"
+        "  control_input [\n"
+        '    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },\n'
+        '    { name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] },\n'
+        '    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }\n'
+        "  ]\n"
+        "}\n"
     )

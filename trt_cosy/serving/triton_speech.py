@@ -173,6 +173,22 @@ class TritonSpeech:
             chunks = self.tts.synthesize(request.text, voice, request.seed, config)
         return request, _samples(chunks)
 
+    def text_stream(self, inputs: Mapping[str, np.ndarray]) -> tuple[Any, Iterator[np.ndarray]]:
+        """Start a request whose text comes in pieces (a text-streaming sequence's START request; its
+        ``text`` is the first piece, maybe empty): (its ``TextStream``, a lazy iterator of audio chunks)."""
+        from ..stages.bistream import TextStream
+
+        request = parse_inputs({"text": np.array([b""], dtype=object), **inputs}, self.max_text_chars)
+        if request.source_audio is not None:
+            raise InputError("a text-streaming sequence speaks text; send 'source_audio' to the other model.")
+        voice = self._voice(request)
+        text = TextStream(self.tts.tokenizer.encode)
+        config = SynthesisConfig(stream=True, instruct=request.instructions)
+        chunks = self.tts.synthesize(text, voice, request.seed, config)
+        if request.text:
+            text.put(request.text)
+        return text, _samples(chunks)
+
     def _voice(self, request: SpeechInputs) -> Voice:
         if request.voice is None:
             return self._voice_from_reference(request)

@@ -20,6 +20,7 @@ import numpy as np
 from ..config import LLMConfig
 from ..errors import InputError, ModelDirError
 from ..runtime.base import Runner
+from .bistream import BistreamPrompt, TextStream, bistream_program, decode_alone
 from .sampling import Sampler, log_softmax
 
 __all__ = ["LLMStage"]
@@ -115,6 +116,43 @@ class LLMStage:
         if max_new_tokens is not None:
             max_len = min(max_len, max_new_tokens)
         return self._decode(lm_input, sampler, min_len, max_len)
+
+    def generate_bistream(
+        self, text: TextStream, prompt: BistreamPrompt, sampler: Sampler, max_new_tokens: int
+    ) -> Iterator[int]:
+        """Speech token ids while ``text`` is still arriving (official ``inference_bistream``;
+        ``stages.bistream``): lazy, waits for text as the schedule needs it."""
+        return decode_alone(
+            self._bistream_program(text, prompt, sampler, max_new_tokens), text, self._decoder()
+        )
+
+    def _bistream_program(
+        self,
+        text: TextStream,
+        prompt: BistreamPrompt,
+        sampler: Sampler,
+        max_new_tokens: int,
+        max_positions: int | None = None,
+    ):
+        """The request's ``bistream_program`` over this stage's tables."""
+        for name, ids, limit in (
+            ("head_ids", prompt.head_ids, len(self.text_embedding)),
+            ("prompt_text_ids", prompt.text_ids, len(self.text_embedding)),
+            ("prompt_speech_ids", prompt.speech_ids, self.config.speech_token_size),
+        ):
+            _as_ids(ids, name, limit)
+        return bistream_program(
+            self.text_embedding,
+            self.speech_embedding,
+            self.llm_embedding[_SOS_ROW],
+            self.llm_embedding[_TASK_ROW],
+            prompt,
+            text,
+            sampler,
+            max_new_tokens,
+            self.config.max_token_text_ratio,
+            max_positions,
+        )
 
     def _decode(self, lm_input: np.ndarray, sampler: Sampler, min_len: int, max_len: int) -> Iterator[int]:
         eos, stop_tokens = self.config.eos_token, frozenset(self.config.stop_tokens)

@@ -26,6 +26,7 @@ CosyVoice 1 and TensorRT keep per-request decoding.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import logging
 import os
@@ -35,13 +36,14 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
 from ..config import LLMConfig
 from ..runtime.base import Runner
 from ..runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
+from .bistream import BistreamPrompt, Feed, NeedText, Stop, TextStream, advance
 from .llm import LLMStage
 from .sampling import Sampler, log_softmax
 
@@ -72,6 +74,7 @@ class _Row:
         self.cancelled = threading.Event()
         self.tokens: queue.SimpleQueue = queue.SimpleQueue()  # int tokens, then _END or an exception
         self.next_input: np.ndarray | None = None  # [D]: embedding of the last token
+        self.parked: NeedText | None = None  # a streamed request waits for text (``_ProgramRow``)
 
     def sample(self, logits: np.ndarray) -> int | None:
         """The next token from ``logits`` [V] (the unbatched loop's rules); None at a stop token.
@@ -90,6 +93,46 @@ class _Row:
         return token
 
 
+class _ProgramRow(_Row):
+    """A streamed-text request's row (``stages.bistream``): its ``bistream_program`` picks each token
+    and the next inputs; a feed of several rows runs one row per step (the logits of all but the last
+    are not used); when the program waits for text the row parks (``DecodeScheduler`` keeps its slot)."""
+
+    def __init__(self, stage: LLMStage, program: Any, feed: Feed):
+        super().__init__(stage, None, 0, 0)  # type: ignore[arg-type]  # the program samples
+        self.program = program
+        self.forced: collections.deque[np.ndarray] = collections.deque()
+        self.set_feed(feed)
+
+    def set_feed(self, feed: Feed) -> None:
+        self.next_input = feed.rows[0]  # [D]
+        self.forced = collections.deque(feed.rows[1:])  # each [D]
+        self.parked = None
+
+    def sample(self, logits: np.ndarray) -> int | None:
+        if self.forced:  # a row of a multi-row feed: its logits are not used
+            self.next_input = self.forced.popleft()
+            return None
+        tokens, action = advance(self.program, logits)
+        if isinstance(action, Stop):
+            self.done = True
+        elif isinstance(action, NeedText):
+            self.parked = action
+        else:
+            self.set_feed(action)
+        for token in tokens[:-1]:  # (a program yields one token per logits; more would queue here)
+            self.tokens.put(token)
+        if tokens:
+            self.decoded.append(tokens[-1])
+        return tokens[-1] if tokens else None
+
+
+class _Parked(NamedTuple):
+    """A parked row's cache, handed to its request's thread (which waits for text, then re-joins)."""
+
+    cache: PrefillCache
+
+
 @dataclass
 class DecodeStats:
     """Counters of one scheduler (read them for benchmarks; updated by the scheduler thread)."""
@@ -98,6 +141,7 @@ class DecodeStats:
     row_steps: int = 0  # sum of the batch sizes of those steps (= tokens decoded in batches)
     joined: int = 0
     left: int = 0
+    parked: int = 0  # rows that left to wait for text (streamed text), keeping their slot
     busy_s: float = 0.0  # seconds inside decode steps (graph + sampling)
     held_s: float = 0.0  # seconds the loop paused with rows waiting, while a first chunk rendered
     batch_sizes: dict[int, int] = field(default_factory=dict)
@@ -118,6 +162,9 @@ class DecodeScheduler:
         self._stepper = model.decoder(slots, vocab, fixed_shapes=deterministic)
         self._rows: list[_Row] = []  # _rows[i] lives in slot i
         self._pending: list[tuple[_Row, PrefillCache]] = []
+        self._holding: set[_Row] = (
+            set()
+        )  # parked rows (waiting for text, or queued to come back): a slot each
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -163,6 +210,18 @@ class DecodeScheduler:
                 self._thread = threading.Thread(target=self._run, name="trt-cosy-llm-batch", daemon=True)
                 self._thread.start()
             self._changed.notify_all()
+
+    def release_slot(self, row: _Row) -> None:
+        """A parked row will not come back (its request ended): its slot is free for others."""
+        with self._changed:
+            if row in self._holding:
+                self._holding.discard(row)
+                self._changed.notify_all()
+
+    @property
+    def parked(self) -> int:
+        """Rows parked now (each keeps a slot)."""
+        return len(self._holding)
 
     def hold(self) -> None:
         """A first chunk renders until ``release`` (counted, thread-safe): the loop pauses before
@@ -214,9 +273,17 @@ class DecodeScheduler:
             held_since: float | None = None  # rows waiting while held, since
             while True:
                 self._drop([i for i, row in enumerate(self._rows) if row.cancelled.is_set()])
+                self._holding -= {r for r, _ in self._pending if r.cancelled.is_set()}
                 self._pending = [(r, c) for r, c in self._pending if not r.cancelled.is_set()]
                 while self._pending and len(self._rows) < self.slots.slots:
-                    row, cache = self._pending.pop(0)
+                    # A parked row coming back has its slot; a new row takes one no parked row holds.
+                    index = next((i for i, (r, _) in enumerate(self._pending) if r in self._holding), None)
+                    if index is None:
+                        if len(self._rows) + len(self._holding) >= self.slots.slots:
+                            break
+                        index = 0
+                    row, cache = self._pending.pop(index)
+                    self._holding.discard(row)
                     self.slots.add(cache)
                     self._rows.append(row)
                     self.stats.joined += 1
@@ -290,13 +357,15 @@ class DecodeScheduler:
         inputs = np.stack([row.next_input for row in rows])[:, None]  # [B, 1, D]
         try:
             logits = self._stepper.step(inputs)  # [B, V]
-            finished = []
+            finished, parked = [], []
             for index, row in enumerate(rows):
                 token = row.sample(logits[index])
                 if token is not None:
                     row.tokens.put(token)
                 if row.done:
                     finished.append(index)
+                elif row.parked is not None:
+                    parked.append(index)
         except Exception as exc:  # the step failed: every row of it gets the error, the loop goes on
             _LOGGER.exception("batched decode step failed")
             with self._changed:
@@ -308,7 +377,25 @@ class DecodeScheduler:
         stats.busy_s += time.perf_counter() - started
         stats.batch_sizes[len(rows)] = stats.batch_sizes.get(len(rows), 0) + 1
         with self._changed:
-            self._drop(finished)
+            for index in sorted(
+                finished + parked, reverse=True
+            ):  # highest first: the others keep their index
+                if index in parked:
+                    self._park(index)
+                else:
+                    self._drop([index])
+
+    def _park(self, index: int) -> None:
+        """A row that waits for text leaves the batch with a copy of its cache and keeps a slot (lock held)."""
+        row = self._rows[index]
+        cache = self.slots.export(index)
+        moved = self.slots.remove(index)
+        if moved is not None:
+            self._rows[index] = self._rows[moved]
+        self._rows.pop()
+        self._holding.add(row)
+        self.stats.parked += 1
+        row.tokens.put(_Parked(cache))
 
 
 def _thread_ids() -> set[int]:
@@ -375,6 +462,71 @@ class BatchedLLMStage(LLMStage):
         load = getattr(batch_runner, "load", None)  # a LazyOrtRunner: create the session now
         model = OrtBatchLLM(load() if load is not None else batch_runner, layers)
         return model, KVSlots(slots, layers, kv_heads, positions, head_dim)
+
+    def generate_bistream(
+        self, text: TextStream, prompt: BistreamPrompt, sampler: Sampler, max_new_tokens: int
+    ) -> Iterator[int]:
+        """``LLMStage.generate_bistream`` on the shared decode loop: the first feed is prefilled in this
+        thread, then the row decodes in the batch; while it waits for text it is parked (its cache
+        copied out, its slot kept for it) and this thread waits for the text, then it re-joins."""
+        if not hasattr(self.scheduler.slots, "export"):  # slots that cannot park a row: decode alone
+            return super().generate_bistream(text, prompt, sampler, max_new_tokens)
+        capacity = self.scheduler.slots.capacity
+        program = self._bistream_program(text, prompt, sampler, max_new_tokens, max_positions=capacity)
+        return self._drive_bistream(program, text)
+
+    def _drive_bistream(self, program: Any, text: TextStream) -> Iterator[int]:
+        layers, kv_heads, head_dim = self._shape
+        scheduler = self.scheduler
+        reply: Any = None
+        cache: PrefillCache | None = None
+        row: _ProgramRow | None = None
+        count = 0
+        started = time.perf_counter()
+        try:
+            while True:
+                tokens, action = advance(program, reply)  # in this thread: the row is not in the loop
+                count += len(tokens)
+                yield from tokens
+                reply = None
+                if isinstance(action, Stop):
+                    return
+                if isinstance(action, NeedText):
+                    text.wait(action.wanted)
+                    continue
+                if cache is None:  # nothing fed yet: prefill at batch 1 here, as a plain request does
+                    cache = PrefillCache(layers, kv_heads, action.rows.shape[0], head_dim)
+                    reply = self.batch_model.prefill(action.rows[None], cache)  # [V]
+                    continue
+                if row is None:
+                    row = _ProgramRow(self, program, action)
+                else:
+                    row.set_feed(action)
+                scheduler.join(row, cache)
+                cache = None
+                while True:
+                    item = row.tokens.get()
+                    if item is _END:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    if isinstance(item, _Parked):  # waits for text; its slot stays reserved
+                        cache = item.cache
+                        text.wait(row.parked.wanted if row.parked is not None else 1)
+                        break
+                    count += 1
+                    yield item
+        finally:
+            if row is not None:
+                if not row.done:  # closed early: free the slot now
+                    row.cancelled.set()
+                    scheduler.wake()
+                scheduler.release_slot(row)
+            else:
+                program.close()  # (a row's program may still run in the loop: it is left to the collector)
+            _LOGGER.debug(
+                "llm (batched, streamed text): %d tokens in %.3f s", count, time.perf_counter() - started
+            )
 
     def _decode(self, lm_input: np.ndarray, sampler: Sampler, min_len: int, max_len: int) -> Iterator[int]:
         if max_len <= 0:

@@ -18,6 +18,7 @@ from ...config import (
     estimator_config,
     hift_fields,
     mel_config_from_yaml,
+    mix_ratio_from_yaml,
     yaml_child,
     yaml_node,
 )
@@ -110,6 +111,7 @@ def qwen_llm_config(llm: Tagged, qwen: QwenConfig, source: Path, num_speech_spec
         top_p=float(values.get("top_p", 0.8)),
         top_k=int(values.get("top_k", 25)),
         win_size=int(values.get("win_size", 10)),
+        mix_ratio=mix_ratio_from_yaml(llm.get("mix_ratio", (5, 15))),
         tau_r=float(values.get("tau_r", 0.1)),
     )
     if config.llm_input_size != qwen.hidden_size:

@@ -24,6 +24,7 @@ from ...pipeline import Request, Stages
 from ...runtime import graphs
 from ...runtime.graphs import GraphSpec
 from ...runtime.model import LoadedModel
+from ...stages.bistream import BistreamPrompt, BistreamSpecials
 from ...stages.flow import FlowStage, device_euler_loops
 from ...stages.llm import LLMStage
 from ...stages.vocoder import VocoderStage
@@ -111,6 +112,23 @@ class V2Family(Family):
         (graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name), "estimator"
     )
     profile_builder = staticmethod(v2_profiles)
+
+    text_streaming = True
+
+    def bistream_prompt(
+        self, config: ModelConfig, prompt: LLMPrompt, token_to_id: Callable[[str], int | None]
+    ) -> BistreamPrompt:
+        """Qwen2LM: sos alone heads the sequence, the whole prompt text starts the text cache; fill is
+        ``speech_token_size + 2``, eos ``speech_token_size``."""
+        del token_to_id
+        size = config.llm.speech_token_size
+        return BistreamPrompt(
+            head_ids=np.zeros(0, np.int64),
+            text_ids=np.asarray(prompt.text_ids, np.int64).reshape(-1),
+            speech_ids=np.asarray(prompt.speech_ids, np.int64).reshape(-1),
+            specials=BistreamSpecials(fill=size + 2, eos=size, masked=size),
+            mix=config.llm.mix_ratio,
+        )
 
     @property
     def graphs(self) -> Mapping[str, GraphSpec]:

@@ -21,11 +21,13 @@ from typing import Any, Final
 
 import numpy as np
 
+from ...errors import InputError
 from ...frontend.tokenizer import ENDOFPROMPT
 from ...frontend.voice import Voice
 from ...pipeline import Request
 from ...runtime.graphs import GraphSpec
 from ...runtime.model import LoadedModel
+from ...stages.bistream import BistreamPrompt, BistreamSpecials
 from ...stages.flow import FlowStage
 from ...stages.llm import LLMStage
 from ...synthesis import LLMPrompt
@@ -77,6 +79,31 @@ class V3Family(V2Family):
         | dict.fromkeys((graphs_v3.HIFT_V3.name, graphs_v3.HIFT_V3_STREAM.name), "vocoder")
     )
     profile_builder = staticmethod(v3_profiles)
+
+    text_streaming = True
+
+    def bistream_prompt(
+        self, config: V3ModelConfig, prompt: LLMPrompt, token_to_id: Callable[[str], int | None]
+    ) -> BistreamPrompt:
+        """CosyVoice3LM: the prompt text through ``<|endofprompt|>`` follows sos, the rest starts the text
+        cache (the official code asserts the marker); fill is ``speech_token_size + 3``, eos ``+ 1``."""
+        text_ids = np.asarray(prompt.text_ids, np.int64).reshape(-1)
+        marker = token_to_id(ENDOFPROMPT)
+        hits = np.flatnonzero(text_ids == marker) if marker is not None else np.zeros(0, np.int64)
+        if hits.size == 0:
+            raise InputError(
+                f"streamed text needs {ENDOFPROMPT} in a CosyVoice3 prompt (the official LLM asserts it); "
+                "make the voice with a transcript or pass an instruction."
+            )
+        cut = int(hits[0]) + 1
+        size = config.llm.speech_token_size
+        return BistreamPrompt(
+            head_ids=text_ids[:cut],
+            text_ids=text_ids[cut:],
+            speech_ids=np.asarray(prompt.speech_ids, np.int64).reshape(-1),
+            specials=BistreamSpecials(fill=size + 3, eos=config.real_eos_token, masked=size),
+            mix=config.llm.mix_ratio,
+        )
 
     @property
     def graphs(self) -> Mapping[str, GraphSpec]:
