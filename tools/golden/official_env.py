@@ -22,7 +22,9 @@ What is shimmed (``install()``), and nothing numerical:
   ``matcha.utils.pylogger`` (imports lightning for ``get_pylogger``) by ``logging.getLogger``;
 * ``torchaudio.load``: torchaudio 2.11 decodes through torchcodec; replaced by torchaudio 2.3.1's
   soundfile-backend ``load`` (``soundfile.read``, float32, channels first), as the golden README §4.4;
-* ``ttsfrd`` / ``wetext``: absent, so the official frontend takes its own ``text_frontend = ''`` branch.
+* ``ttsfrd`` / ``wetext``: absent, so the official frontend takes its own ``text_frontend = ''`` branch;
+* CosyVoice 1's whisper tokenizer reads the model directory's (stand-in) ``multilingual.tiktoken`` instead of
+  whisper's bundled one (``whisper_ranks_from``), as trt-cosy does.
 
 ``official_model_dir`` assembles the model directory the official ``CosyVoice*`` constructors read: the
 golden checkpoint of tests/data (yaml, ``*.pt``, ``CosyVoice-BlankEN``), the yaml's dropped
@@ -210,6 +212,25 @@ def _encoder_at_its_width():
         encoder.UpsampleConformerEncoder.__init__ = real_init
 
 
+def whisper_ranks_from(model_dir: Path) -> None:
+    """CosyVoice 1's text tokenizer (``whisper.tokenizer.get_tokenizer``) reads whisper's own
+    ``multilingual.tiktoken``; read the model directory's instead (the test release's stand-in ranks,
+    the file trt-cosy's tests read), with whisper's code for everything else."""
+    import builtins
+
+    import whisper.tokenizer as tokenizer
+
+    standin = str(Path(model_dir) / "multilingual.tiktoken")
+
+    def open_standin(path, *args, **kwargs):
+        chosen = standin if str(path).endswith("multilingual.tiktoken") else path
+        return builtins.open(chosen, *args, **kwargs)
+
+    tokenizer.open = open_standin  # the module's global ``open``, used by get_encoding only
+    tokenizer.get_encoding.cache_clear()
+    tokenizer.get_tokenizer.cache_clear()
+
+
 def load_official(family: str, model_dir: Path):
     """The official ``CosyVoice`` / ``CosyVoice2`` / ``CosyVoice3`` object on ``model_dir`` (fp32, CPU)."""
     install()
@@ -222,6 +243,7 @@ def load_official(family: str, model_dir: Path):
     matcha.utils.audio.hann_window.clear()
 
     if family == "v1":
+        whisper_ranks_from(model_dir)
         return CosyVoice(str(model_dir))
     if family == "v2":
         with _encoder_at_its_width():
