@@ -1,6 +1,7 @@
 """The playground's voice-conversion mode (``GET /``, "Convert speech"): the page serves it, the request
 it sends to ``POST /v1/audio/conversions`` works against a real server, and (with Chromium) a chosen
-source file is converted and played as it streams. See test_playground.py for the browser setup."""
+source file is converted and played as it streams (see test_playground.py for the browser setup); the
+route's ``speed`` field (the official speed path)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,34 @@ def test_playground_converts_a_chosen_source_while_it_streams(server, wavs):
         page.wait_for_function("() => document.getElementById('player').duration > 0")
         assert page.is_enabled("#convert") and not page.is_enabled("#convert-stop")
         browser.close()
+
+
+def test_conversion_speed_stretches_the_mel_as_the_official_code(server, wavs):
+    """``speed`` of ``POST /v1/audio/conversions``: official ``inference_vc(speed=)``, the mel of F frames
+    stretched to int(F / speed) before the vocoder (480 samples per frame); out of range: 400."""
+    lengths = {}
+    for speed in (1.0, 2.0, 0.5):
+        form = {
+            "voice": "alice",
+            "response_format": "pcm",
+            "seed": "0",
+            "speed": str(speed),
+            "stream": "true",
+        }
+        with open(wavs["ref"], "rb") as source:
+            response = httpx.post(
+                server + "/v1/audio/conversions", data=form, files={"file": ("s.wav", source)}, timeout=120
+            )
+        assert response.status_code == 200, response.text
+        lengths[speed] = len(response.content) // 2
+    frames = lengths[1.0] // 480
+    assert lengths[1.0] == frames * 480
+    assert lengths[2.0] == int(frames / 2.0) * 480 and lengths[0.5] == int(frames / 0.5) * 480, lengths
+    with open(wavs["ref"], "rb") as source:
+        response = httpx.post(
+            server + "/v1/audio/conversions",
+            data={"voice": "alice", "speed": "5"},
+            files={"file": ("s.wav", source)},
+            timeout=60,
+        )
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_speed", response.text
