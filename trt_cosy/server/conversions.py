@@ -7,7 +7,8 @@ Multipart form: ``file`` (the source recording: wav/flac/ogg, any rate from 8 kH
 ``inference_vc(speed=)``: each window's mel stretched, so a window is sent whole). The same limits as
 the speech route and the voice uploads: the upload's bytes (413) and duration (400), authentication,
 429 when the queue is full, 503/504 on timeouts, a client that leaves cancels the work. ElevenLabs
-names the same thing ``POST /v1/speech-to-speech/{voice_id}``; this path sits beside OpenAI's ``/v1/audio/speech``.
+names the same thing ``POST /v1/speech-to-speech/{voice_id}``; this path sits beside OpenAI's
+``/v1/audio/speech``.
 """
 
 from __future__ import annotations
