@@ -50,7 +50,7 @@ from pathlib import Path
 OFFICIAL_COMMIT = "ace7c47f41bbd303aa6bf1ea80e6f9fbd595cd40"
 MATCHA_COMMIT = "dd9105b34bf2be2230f4aa1e4769fb586a3c824e"
 OFFICIAL = Path(os.environ.get("COSYVOICE_OFFICIAL", "/work/official-cosyvoice"))
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(os.environ.get("TRT_COSY_REPO") or Path(__file__).resolve().parents[2])  # a trt-cosy checkout
 DATA = REPO / "tests" / "data"
 GOLDEN_DIRS = {"v1": DATA / "cosyvoice1-tiny", "v2": DATA / "cosyvoice2-tiny", "v3": DATA / "cosyvoice3-tiny"}
 YAML_NAMES = {"v1": "cosyvoice.yaml", "v2": "cosyvoice2.yaml", "v3": "cosyvoice3.yaml"}
