@@ -416,7 +416,8 @@ class CosyVoice:
             voice: the target: ``vc_voice_from_wav`` (the official VC prompt), a stored ``Voice``, or a
                 preset speaker's name.
             seed: the vocoder noise's seed; None draws fresh entropy.
-            config: ``stream`` and ``stream_schedule`` apply (``speed`` must stay 1.0, ``instruct`` unset).
+            config: ``stream``, ``stream_schedule`` and ``speed`` (not streaming, as officially) apply;
+                ``instruct`` must stay unset.
             max_source_seconds: refuse longer sources (default ``conversion.MAX_SOURCE_SECONDS``).
 
         Raises:
@@ -517,6 +518,7 @@ class CosyVoice:
             schedule=config.stream_schedule,
         )
         request.attach_source(tokens_of, len(windows))
+        request.speed = 1.0 if config.speed is None else float(config.speed)  # official inference_vc(speed=)
         return request
 
     def llm_prompt(self, voice: Voice, instruct: str | None = None) -> LLMPrompt:

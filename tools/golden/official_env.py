@@ -1,4 +1,4 @@
-"""Run the official CosyVoice code on the tiny test checkpoints (golden-making scripts only; never product code).
+"""Run the official CosyVoice code on the tiny test checkpoints (golden-making scripts only, not product).
 
 Run with the separate official environment, not trt-cosy's venv::
 
@@ -22,7 +22,9 @@ What is shimmed (``install()``), and nothing numerical:
   ``matcha.utils.pylogger`` (imports lightning for ``get_pylogger``) by ``logging.getLogger``;
 * ``torchaudio.load``: torchaudio 2.11 decodes through torchcodec; replaced by torchaudio 2.3.1's
   soundfile-backend ``load`` (``soundfile.read``, float32, channels first), as the golden README §4.4;
-* ``ttsfrd`` / ``wetext``: absent, so the official frontend takes its own ``text_frontend = ''`` branch.
+* ``ttsfrd`` / ``wetext``: absent, so the official frontend takes its own ``text_frontend = ''`` branch;
+* CosyVoice 1's whisper tokenizer reads the model directory's (stand-in) ``multilingual.tiktoken`` instead of
+  whisper's bundled one (``whisper_ranks_from``), as trt-cosy does.
 
 ``official_model_dir`` assembles the model directory the official ``CosyVoice*`` constructors read: the
 golden checkpoint of tests/data (yaml, ``*.pt``, ``CosyVoice-BlankEN``), the yaml's dropped
@@ -48,7 +50,7 @@ from pathlib import Path
 OFFICIAL_COMMIT = "ace7c47f41bbd303aa6bf1ea80e6f9fbd595cd40"
 MATCHA_COMMIT = "dd9105b34bf2be2230f4aa1e4769fb586a3c824e"
 OFFICIAL = Path(os.environ.get("COSYVOICE_OFFICIAL", "/work/official-cosyvoice"))
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(os.environ.get("TRT_COSY_REPO") or Path(__file__).resolve().parents[2])  # a trt-cosy checkout
 DATA = REPO / "tests" / "data"
 GOLDEN_DIRS = {"v1": DATA / "cosyvoice1-tiny", "v2": DATA / "cosyvoice2-tiny", "v3": DATA / "cosyvoice3-tiny"}
 YAML_NAMES = {"v1": "cosyvoice.yaml", "v2": "cosyvoice2.yaml", "v3": "cosyvoice3.yaml"}
@@ -57,7 +59,11 @@ EXAMPLE_CONFS = {
     "v2": "examples/libritts/cosyvoice2/conf/cosyvoice2.yaml",
     "v3": "examples/libritts/cosyvoice3/conf/cosyvoice3.yaml",
 }
-TOKENIZER_ONNX = {"v1": "speech_tokenizer_v1.onnx", "v2": "speech_tokenizer_v2.onnx", "v3": "speech_tokenizer_v3.onnx"}
+TOKENIZER_ONNX = {
+    "v1": "speech_tokenizer_v1.onnx",
+    "v2": "speech_tokenizer_v2.onnx",
+    "v3": "speech_tokenizer_v3.onnx",
+}
 # the stand-in frontend files and text-tokenizer files taken from a make-test-model release of the family
 EXTRAS = {
     "v1": ("campplus.onnx", "speech_tokenizer_v1.onnx", "multilingual.tiktoken"),
@@ -81,8 +87,10 @@ STANDINS = ("campplus.onnx",)  # + TOKENIZER_ONNX[family]: hashed into the golde
 
 def install() -> None:
     """Put the official tree on ``sys.path`` and install the import-time shims (idempotent)."""
-    for commit_file, commit in ((OFFICIAL / "COMMIT", OFFICIAL_COMMIT),
-                                (OFFICIAL / "third_party/Matcha-TTS/COMMIT", MATCHA_COMMIT)):
+    for commit_file, commit in (
+        (OFFICIAL / "COMMIT", OFFICIAL_COMMIT),
+        (OFFICIAL / "third_party/Matcha-TTS/COMMIT", MATCHA_COMMIT),
+    ):
         found = commit_file.read_text().strip() if commit_file.is_file() else "(no COMMIT file)"
         if found != commit:
             raise SystemExit(f"{commit_file}: expected {commit}, found {found}")
@@ -147,7 +155,9 @@ def official_model_dir(family: str, extras: Path, out: Path) -> Path:
     """The golden tiny checkpoint + official frontend config + stand-ins, as a release directory."""
     if out.exists():
         shutil.rmtree(out)
-    shutil.copytree(GOLDEN_DIRS[family], out, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json", "*.npz"))
+    shutil.copytree(
+        GOLDEN_DIRS[family], out, ignore=shutil.ignore_patterns("reference.npz", "MANIFEST.json", "*.npz")
+    )
     for name in EXTRAS[family]:
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(extras / name, out / name)
@@ -156,8 +166,11 @@ def official_model_dir(family: str, extras: Path, out: Path) -> Path:
     yaml = out / YAML_NAMES[family]
     yaml.write_text(
         yaml.read_text(encoding="utf-8")
-        + "\n# official frontend entries, verbatim from " + EXAMPLE_CONFS[family] + "\n"
-        + "\n".join(block.rstrip() for block in blocks) + "\n",
+        + "\n# official frontend entries, verbatim from "
+        + EXAMPLE_CONFS[family]
+        + "\n"
+        + "\n".join(block.rstrip() for block in blocks)
+        + "\n",
         encoding="utf-8",
     )
     return out
@@ -173,7 +186,11 @@ def _encoder_at_its_width():
     512 channels whatever its width; build them at ``output_size`` (the same classes and forward)."""
     import cosyvoice.transformer.upsample_encoder as encoder
 
-    real_init, real_pre, real_up = encoder.UpsampleConformerEncoder.__init__, encoder.PreLookaheadLayer, encoder.Upsample1D
+    real_init, real_pre, real_up = (
+        encoder.UpsampleConformerEncoder.__init__,
+        encoder.PreLookaheadLayer,
+        encoder.Upsample1D,
+    )
 
     def init(self, *args, **kwargs):
         width = kwargs.get("output_size", 256)
@@ -195,12 +212,38 @@ def _encoder_at_its_width():
         encoder.UpsampleConformerEncoder.__init__ = real_init
 
 
+def whisper_ranks_from(model_dir: Path) -> None:
+    """CosyVoice 1's text tokenizer (``whisper.tokenizer.get_tokenizer``) reads whisper's own
+    ``multilingual.tiktoken``; read the model directory's instead (the test release's stand-in ranks,
+    the file trt-cosy's tests read), with whisper's code for everything else."""
+    import builtins
+
+    import whisper.tokenizer as tokenizer
+
+    standin = str(Path(model_dir) / "multilingual.tiktoken")
+
+    def open_standin(path, *args, **kwargs):
+        chosen = standin if str(path).endswith("multilingual.tiktoken") else path
+        return builtins.open(chosen, *args, **kwargs)
+
+    tokenizer.open = open_standin  # the module's global ``open``, used by get_encoding only
+    tokenizer.get_encoding.cache_clear()
+    tokenizer.get_tokenizer.cache_clear()
+
+
 def load_official(family: str, model_dir: Path):
     """The official ``CosyVoice`` / ``CosyVoice2`` / ``CosyVoice3`` object on ``model_dir`` (fp32, CPU)."""
     install()
+    import matcha.utils.audio
     from cosyvoice.cli.cosyvoice import CosyVoice, CosyVoice2, CosyVoice3
 
+    # Matcha's mel caches its Hann window and filterbank under str(fmax) + device only: a second family
+    # in the same process (v1 1024-point, v2 1920-point, both fmax 8000) would get the first one's.
+    matcha.utils.audio.mel_basis.clear()
+    matcha.utils.audio.hann_window.clear()
+
     if family == "v1":
+        whisper_ranks_from(model_dir)
         return CosyVoice(str(model_dir))
     if family == "v2":
         with _encoder_at_its_width():

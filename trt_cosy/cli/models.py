@@ -87,7 +87,8 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
 @click.command()
 @click.option("--model-dir", required=True, type=click.Path(path_type=Path), help="Official release directory.")
 @click.option("--golden", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A golden reference.npz made by the official code.")
+              help="A golden reference.npz made by the official code, or tests/data/vc/<family>.npz "
+                   "(the official inference_vc end to end).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True)
 @click.option("--engines", type=click.Path(path_type=Path), default=None,
               help="Engines directory (onnxruntime / tensorrt / openvino backends).")
@@ -98,7 +99,7 @@ def verify(model_dir: Path, golden: Path, backend: str, engines: Path | None, th
     from ..verify.golden import GoldenSet
 
     model = load_backend(backend, model_dir, engines, threads)
-    rows = run_verify(model, GoldenSet.load(golden))
+    rows = run_verify(model, GoldenSet.load(golden), model_dir=model_dir, threads=threads)
     click.echo(format_table(rows))
     if any(row.status == "FAIL" for row in rows):
         precision = _engines_precision(engines)

@@ -3,15 +3,18 @@ in a stored voice out.
 
 Multipart form: ``file`` (the source recording: wav/flac/ogg, any rate from 8 kHz, up to
 ``max_source_seconds``), ``voice`` (a stored voice's name), ``response_format`` (as the speech route),
-``stream`` (chunks as they are made, wav/pcm), ``seed``. The same limits as the speech route and
-the voice uploads: the upload's bytes (413) and duration (400), authentication, 429 when the queue
-is full, 503/504 on timeouts, a client that leaves cancels the work. ElevenLabs names the same thing
-``POST /v1/speech-to-speech/{voice_id}``; this path sits beside OpenAI's ``/v1/audio/speech``.
+``stream`` (chunks as they are made, wav/pcm), ``seed``, ``speed`` (0.25-4.0, the official
+``inference_vc(speed=)``: each window's mel stretched, so a window is sent whole). The same limits as
+the speech route and the voice uploads: the upload's bytes (413) and duration (400), authentication,
+429 when the queue is full, 503/504 on timeouts, a client that leaves cancels the work. ElevenLabs
+names the same thing ``POST /v1/speech-to-speech/{voice_id}``; this path sits beside OpenAI's
+``/v1/audio/speech``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from typing import Annotated
@@ -49,12 +52,17 @@ def conversions_router(state: ServerState) -> APIRouter:
         response_format: Annotated[str, Form()] = "wav",
         stream: Annotated[bool, Form()] = False,
         seed: Annotated[int | None, Form(ge=0)] = None,
+        speed: Annotated[float, Form()] = 1.0,
     ) -> Response:
         """The words, timing and intonation of ``file`` spoken in ``voice``."""
         received_at = time.perf_counter()
         state.require_ready()
         settings = state.settings
         check_format(response_format, state.formats)
+        if not math.isfinite(speed) or not 0.25 <= speed <= 4.0:
+            raise APIError(
+                400, f"speed must be between 0.25 and 4.0, got {speed!r}.", "invalid_speed", "speed"
+            )
         target = state.store.get(voice).voice
         streaming = stream and streams_incrementally(response_format)
         staging = await anyio.to_thread.run_sync(state.store.staging_dir, "conversion")
@@ -69,7 +77,8 @@ def conversions_router(state: ServerState) -> APIRouter:
                     "audio_too_long",
                     "file",
                 )
-            config = SynthesisConfig(stream=streaming)
+            # the official speed path stretches a whole window's mel: not streamed (as the speech route)
+            config = SynthesisConfig(stream=streaming and speed == 1.0, speed=speed)
             try:  # reads and checks the source now (silent, too short...); tokenising is lazy
                 chunks = await anyio.to_thread.run_sync(
                     lambda: state.tts.convert(path, target, seed, config, settings.max_source_seconds)
@@ -104,7 +113,9 @@ def conversions_router(state: ServerState) -> APIRouter:
             except BaseException:
                 job.close("error")
                 raise
-            return SynthesisResponse(job, audio_stream(job, first, encoder), media_type=media_type, headers=headers)
+            return SynthesisResponse(
+                job, audio_stream(job, first, encoder), media_type=media_type, headers=headers
+            )
         data = await anyio.to_thread.run_sync(encode_file, samples, first.sample_rate, response_format)
         return Response(data, media_type=media_type, headers=headers)
 

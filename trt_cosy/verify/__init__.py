@@ -5,7 +5,8 @@ drivers (``Family.verify_drivers``: ``stages`` here for CosyVoice2, ``models/v1/
 ``models/v3/verify.py``). ``run_verify`` is
 ``compute_outputs`` (run the stages, injected noise) followed by ``compare_outputs`` (one row per
 compared golden key, plus ``conversion:<run>_wav``: the voice-conversion request on the golden runs,
-``verify.conversion``).
+``verify.conversion``). A golden of the official ``inference_vc`` run end to end (``tests/data/vc``)
+gives the ``vc:`` rows of ``verify.official_vc``.
 """
 
 from __future__ import annotations
@@ -77,8 +78,21 @@ def compare_outputs(
     return rows
 
 
-def run_verify(model: LoadedModel, golden: GoldenSet) -> list[Comparison]:
-    """Run each stage on the golden inputs (noise injected) and compare every output key."""
+def run_verify(
+    model: LoadedModel, golden: GoldenSet, model_dir: Path | None = None, threads: int | None = None
+) -> list[Comparison]:
+    """Run each stage on the golden inputs (noise injected) and compare every output key.
+
+    A voice-conversion golden (``tests/data/vc/<family>.npz``, the official ``inference_vc`` end to
+    end) gives the ``vc:`` rows of ``verify.official_vc`` instead; it needs ``model_dir`` (the release
+    with the frontend ONNX files).
+    """
+    from .official_vc import is_vc_golden, run_official_vc
+
+    if is_vc_golden(golden):
+        if model_dir is None:
+            raise InputError(f"{golden.source} is a voice-conversion golden: pass --model-dir (the release).")
+        return run_official_vc(model, golden, model_dir, threads)
     ours, skipped = compute_outputs(model, golden)
     return compare_outputs(ours, skipped, golden)
 
