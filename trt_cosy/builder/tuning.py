@@ -446,14 +446,14 @@ def _measure(
     """The child: load the engines, time each stage, compare with the reference's outputs."""
     import numpy as np
 
-    from ..families import build_stages
     from ..family_lookup import family_of
     from ..runtime.engines import load_engines
     from ..verify.quality import QualityInputs, next_token_agreement, snr_db
 
     model = load_engines(Path(engines), threads=threads, backend="auto")  # sessions made by the warm-up call
-    api = build_stages(model, llm_slots=0)  # one request alone: no batching thread
-    feeds = family_of(model.config).quality
+    family = family_of(model.config)
+    api = family.build_stages(model, llm_slots=0)  # one request alone: no batching thread
+    feeds = family.quality
     inputs = QualityInputs.random(model, seed=0)
     backend, precision = model.backend, Manifest.read(Path(engines)).precision
     stop = np.asarray(sorted(model.config.llm.stop_tokens), np.int64)

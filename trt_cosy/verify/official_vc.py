@@ -69,8 +69,7 @@ def run_official_vc(
     model: LoadedModel, golden: GoldenSet, model_dir: Path, threads: int | None = None
 ) -> list[Comparison]:
     """The ``vc:`` rows of one golden (``model_dir``: the release with the frontend ONNX files)."""
-    from .. import families
-    from ..models.registry import family_of
+    from ..family_lookup import family_of
     from ..runtime.ort import LazyOrtRunner
 
     family = family_of(model.config)
@@ -79,7 +78,7 @@ def run_official_vc(
             f"{golden.source} is a voice-conversion golden of {golden.meta.get('family')}, but the model is "
             f"{family.title}; pass tests/data/vc/{family.name}.npz."
         )
-    builder = families.make_voice_builder(
+    builder = family.make_voice_builder(
         model, lambda name, graph: LazyOrtRunner(Path(model_dir) / name, graph, threads, check_now=False), ""
     )
     meta, rows = golden.meta, []
