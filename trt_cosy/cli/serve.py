@@ -25,6 +25,13 @@ from .options import backend_option, engines_or_model_dir
               help="Folder of stored voices (<name>.npz) for the `voice` input.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests waiting for a free instance; Triton refuses more.")
+@click.option("--timeout", "request_timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="Seconds a request may take: what would not finish within it is refused at "
+                                      "once (admission by expected work); Triton rejects what is still queued after it.")
+@click.option("--max-concurrent", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Admitted requests each instance of the decoupled model runs at once.")
+@click.option("--work-admission/--no-work-admission", default=True, show_default=True,
+              help="Refuse at once (UNAVAILABLE + retry hint) what cannot finish within the timeout.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per graph and instance.")
 @click.option("--decoupled/--no-decoupled", default=True, show_default=True,
               help="Decoupled (streaming, gRPC and HTTP generate_stream) or one response per request "
@@ -32,12 +39,15 @@ from .options import backend_option, engines_or_model_dir
 @click.option("--python-path", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Folder put first on the backend stub's import path (repeatable), e.g. a venv's site-packages.")
 def triton_repo(engines: Path, repo: Path, model_name: str, instances: int, device: str, voices_dir: Path | None,
-                max_queue: int, threads: int | None, decoupled: bool, python_path: tuple[str, ...]) -> None:
+                max_queue: int, request_timeout_s: float, max_concurrent: int, work_admission: bool,
+                threads: int | None, decoupled: bool, python_path: tuple[str, ...]) -> None:
     """Write a Triton Inference Server model repository (Python backend) that serves the engines."""
     from ..serving.triton_repo import TritonRepoOptions, write_triton_repo
 
     options = TritonRepoOptions(model_name=model_name, instances=instances, device=device, voices_dir=voices_dir,
-                                max_queue=max_queue, decoupled=decoupled, threads=threads, python_path=python_path)
+                                max_queue=max_queue, decoupled=decoupled, threads=threads, python_path=python_path,
+                                request_timeout_s=request_timeout_s, max_concurrent=max_concurrent,
+                                work_admission=work_admission)
     model_dir = write_triton_repo(engines, repo, options)
     click.echo(f"wrote {model_dir}; serve it with: tritonserver --model-repository {repo.resolve()}")
 

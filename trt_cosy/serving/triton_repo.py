@@ -69,7 +69,20 @@ class TritonRepoOptions:
     voices_dir: Path | None = None
     """Folder of stored voices (``<name>.npz``) that the ``voice`` input names; None: only reference audio."""
     max_queue: int = 8
-    """Requests waiting for a free instance; Triton refuses more (``Exceeds maximum queue size``)."""
+    """Requests waiting in Triton's queue for an instance; Triton refuses more (``Exceeds maximum queue
+    size``). The decoupled model takes requests from that queue as they come (its own admission judges
+    them), so there it only bounds a burst; without a decoupled policy it is the queue of waiting requests."""
+    request_timeout_s: float = 300.0
+    """Seconds a request may take from arrival to its last audio (``trt-cosy serve --timeout``): admission
+    by expected work refuses at once what would not finish within it, and Triton's queue policy rejects a
+    request still queued after it (``timeout_action: REJECT``). A client's shorter Triton timeout is used
+    instead (``allow_timeout_override``)."""
+    max_concurrent: int = 4
+    """Admitted requests each instance of the decoupled model runs at once (its worker threads); the
+    engine orders their heavy stages by admission, so more mainly shares the LLM's batch."""
+    work_admission: bool = True
+    """Admission by expected work (``serving.triton_admission``); False: every request is started (and a
+    warm-up less at load)."""
     decoupled: bool = True
     """Decoupled transaction policy (streaming: one response per chunk). False: one response per request,
     for clients of Triton's HTTP ``infer`` endpoint, which refuses decoupled models."""
@@ -84,10 +97,12 @@ class TritonRepoOptions:
     def __post_init__(self) -> None:
         if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
             raise InputError(f"invalid model name {self.model_name!r}; use letters, digits, '_' or '-'.")
-        for name in ("instances", "max_queue", "max_text_chars"):
+        for name in ("instances", "max_queue", "max_text_chars", "max_concurrent"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}.")
+        if not self.request_timeout_s > 0:
+            raise InputError(f"request_timeout_s must be positive (seconds), got {self.request_timeout_s!r}.")
         if self.device not in DEVICES:
             raise InputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}.")
 
@@ -140,6 +155,13 @@ def _cpu_comment(options: TritonRepoOptions) -> str:
             f"thread(s) per graph, each pinned at load to its own cores" + (" (sharing cores)" if plan.shared else ""))
 
 
+_QUEUE_COMMENT: Final = (
+    "# Queue: beyond max_queue_size Triton refuses at once; a request still queued after the request timeout\n"
+    "# (a client may ask for less) is rejected, not started for a client that gave up. The model itself\n"
+    "# refuses at once what would not finish within it (admission by expected work, docs/deploy.md).\n"
+)
+
+
 def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
     """The ``config.pbtxt`` text (protobuf text format)."""
     parameters = {
@@ -149,6 +171,10 @@ def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
         "max_text_chars": str(options.max_text_chars),
         # KIND_CPU: each instance claims its slot of the machine's CPU plan (cpu_budget) and pins to it.
         "cpu_instances": str(options.instances) if kind == "KIND_CPU" else "",
+        # Admission by expected work (serving.triton_admission).
+        "request_timeout_s": f"{options.request_timeout_s:g}",
+        "max_concurrent": str(options.max_concurrent),
+        "work_admission": str(options.work_admission).lower(),
     }
     inputs = ",\n".join(
         f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{" optional: true" if optional else ""} }}'
@@ -166,7 +192,9 @@ def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
         'backend: "python"\n'
         "max_batch_size: 0\n"
         f"model_transaction_policy {{ decoupled: {str(options.decoupled).lower()} }}\n"
-        f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {options.max_queue} }} }}\n"
+        + _QUEUE_COMMENT
+        + f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {options.max_queue} timeout_action: REJECT "
+        f"default_timeout_microseconds: {round(options.request_timeout_s * 1e6)} allow_timeout_override: true }} }}\n"
         f"instance_group [ {{ count: {options.instances} kind: {kind} }} ]\n"
         f"input [\n{inputs}\n]\n"
         f"output [\n{outputs}\n]\n"
