@@ -99,7 +99,7 @@ class TritonTicket:
             self._work.policy.start(self._job)
             queue_s = self._job.queue_s
         if queue_s is not None:
-            self._work.events.queued(queue_s)
+            self._work.emit("queued", queue_s)
 
     def progress(self, chunk: Any) -> None:
         """The request produced ``chunk`` (an ``AudioChunk``)."""
@@ -119,9 +119,9 @@ class TritonTicket:
                 return
             self._work.policy.finish(job, completed)
             ahead = self._work.policy.work_ahead_s()
-        self._work.events.admitted_work(ahead)
+        self._work.emit("admitted_work", ahead)
         if completed and job.speech_tokens > 0 and math.isfinite(job.estimated_s) and job.estimated_s > 0:
-            self._work.events.completed(job.estimated_s, job.work_s)
+            self._work.emit("completed", job.estimated_s, job.work_s)
 
 
 class TritonWork:
@@ -161,6 +161,13 @@ class TritonWork:
             speed.ratio, speed.seconds_per_token(False) * 1000, speed.seconds_per_token(True) * 1000,
         )
 
+    def emit(self, event: str, *values: Any) -> None:
+        """Tell ``events`` (a failing metric never fails the request)."""
+        try:
+            getattr(self.events, event)(*values)
+        except Exception as exc:  # noqa: BLE001
+            _LOGGER.warning("work admission metric %s failed: %s", event, exc)
+
     def timeout_for(self, request_timeout_us: int | None) -> float:
         """The seconds a request has: the model's timeout, or the request's own when shorter."""
         if request_timeout_us and request_timeout_us > 0:
@@ -182,9 +189,9 @@ class TritonWork:
         with self.lock:
             decision = self.policy.admit(segments, streaming, timeout_s)
             ahead = self.policy.work_ahead_s()
-        self.events.admitted_work(ahead)
+        self.emit("admitted_work", ahead)
         if isinstance(decision, Refusal):
-            self.events.refused(decision.reason)
+            self.emit("refused", decision.reason)
             _LOGGER.info(
                 "refused a request (%s, expected %.1f s of work, %.1f s admitted ahead): %s",
                 decision.reason, decision.estimated_s, ahead, decision.message,

@@ -289,9 +289,11 @@ class _TritonMetrics:
     def __init__(self, model: str, instance: str):
         family = pb_utils.MetricFamily
         labels = {"model": model, "instance": instance}
+        self._families: list[Any] = []  # a MetricFamily must outlive its metrics (Triton deletes it with the object)
 
-        def metric(name: str, description: str, kind: Any, **extra: str) -> Any:
-            return family(name=name, description=description, kind=kind).Metric(labels={**labels, **extra})
+        def metric(name: str, description: str, kind: Any) -> Any:
+            self._families.append(family(name=name, description=description, kind=kind))
+            return self._families[-1].Metric(labels=labels)
 
         refused = family(
             name="trt_cosy_admission_refused_total",
@@ -299,6 +301,7 @@ class _TritonMetrics:
             "(overloaded, cannot_keep_up: UNAVAILABLE; too_long: INVALID_ARG).",
             kind=family.COUNTER,
         )
+        self._families.append(refused)
         self._refused = {reason: refused.Metric(labels={**labels, "reason": reason}) for reason in self._REASONS}
         self._queue = metric("trt_cosy_queue_seconds_total", "Seconds admitted requests waited for a worker.",
                              family.COUNTER)
