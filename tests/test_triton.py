@@ -427,6 +427,8 @@ def test_an_overloaded_model_refuses_early_and_finishes_what_it_admitted(triton,
     completed = [(seed, body) for seed, status, body, _ in answers if status == 200]
     refused = [(status, body, seconds) for _, status, body, seconds in answers if status != 200]
     assert completed and refused, (busy_timeout_s, answers)
+    print(f"timeout {busy_timeout_s} s: {len(completed)} completed, refused after "
+          f"{sorted(round(seconds, 2) for *_, seconds in refused)} s")
     for status, body, seconds in refused:
         # UNAVAILABLE is HTTP 503; Triton 2.51's decoupled Python-backend responses lose the error code
         # on the way to the generate endpoint (400, measured; its non-decoupled infer answers 503).
