@@ -99,12 +99,14 @@ def engines(tmp_path_factory, v2_tiny_dir) -> Path:
 def test_triton_repo_command_writes_a_decoupled_cpu_model(engines, tmp_path):
     runner = CliRunner()
     args = ["triton-repo", "--engines", str(engines), "--out", str(tmp_path / "repo"), "--instances", "3",
-            "--voices-dir", str(tmp_path / "voices"), "--max-queue", "5"]
+            "--voices-dir", str(tmp_path / "voices"), "--max-queue", "5", "--timeout", "60", "--max-concurrent", "2"]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     config = (tmp_path / "repo" / "trt_cosy" / "config.pbtxt").read_text()
     assert "decoupled: true" in config and "count: 3 kind: KIND_CPU" in config, config
     assert "max_queue_size: 5" in config and f'string_value: "{engines.resolve()}"' in config, config
+    assert "default_timeout_microseconds: 60000000" in config and "timeout_action: REJECT" in config, config
+    assert 'key: "max_concurrent" value: { string_value: "2" }' in config, config
     assert 'key: "cpu_instances" value: { string_value: "3" }' in config, config  # instances pin at load
     assert "3 instance(s) x " in config and "each pinned at load to its own cores" in config, config
     assert not (tmp_path / "repo" / "trt_cosy" / "1" / "manifest.json").exists()  # referenced, not copied
