@@ -138,3 +138,17 @@ def test_the_repository_ties_triton_queue_policy_to_the_request_timeout(tmp_path
         assert f'key: "{key}" value: {{ string_value: "{value}" }}' in config, config
     with pytest.raises(Exception, match="request_timeout_s must be positive"):
         TritonRepoOptions(request_timeout_s=0)
+
+
+def test_a_streamed_request_is_judged_on_its_first_audio(work):
+    work, clock, _ = work
+    done = work.admit(planned(10), streaming=False)  # confirm the speed on a real request first
+    done.start()
+    clock.now += 2.0
+    done.progress(chunk(200.0, 2.0))
+    done.close(completed=True)
+    with pytest.raises(AdmissionRefused, match="more than the 10 s request timeout"):
+        work.admit(planned(80), streaming=False)  # 1600 speech tokens: 16 s, never within 10 s
+    stream = planned(80)  # the same text streamed: its first audio (28 tokens) comes in 0.3 s
+    work.admit(stream, streaming=True)
+    assert stream.request.render_priority[0] == 0  # the engine renders its chunks before whole requests

@@ -18,7 +18,7 @@ from .options import backend_option, engines_or_model_dir
               help="Model repository folder to write into (tritonserver --model-repository).")
 @click.option("--model-name", default="trt_cosy", show_default=True, help="The model's name in Triton.")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Model instances (per GPU with --device gpu); each runs one request at a time.")
+              help="Model instances (per GPU with --device gpu), each loading the engines once.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="KIND_GPU or KIND_CPU instances; auto: GPU for TensorRT engines, CPU for ONNX Runtime ones.")
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,

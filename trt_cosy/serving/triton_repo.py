@@ -62,7 +62,8 @@ class TritonRepoOptions:
     model_name: str = "trt_cosy"
     """The model's name in Triton (its folder name, and the URL ``/v2/models/<name>``)."""
     instances: int = 1
-    """Model instances (each loads the engines once and runs one request at a time): per GPU with KIND_GPU."""
+    """Model instances (each loads the engines once; the decoupled model runs up to ``max_concurrent`` requests
+    in each, the other one request at a time): per GPU with KIND_GPU."""
     device: str = "auto"
     """``"cpu"`` (KIND_CPU), ``"gpu"`` (KIND_GPU: ``instances`` on every GPU) or ``"auto"`` (GPU for
     TensorRT engines, CPU for ONNX Runtime engines)."""
