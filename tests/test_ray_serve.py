@@ -130,3 +130,11 @@ def test_two_replicas_serve_the_openai_route_like_the_single_process_server(ray_
             with local.audio.speech.with_streaming_response.create(**body, extra_body=extra) as response:
                 expected = b"".join(response.iter_bytes())
             assert audio == expected, (text, seed, stream, replica)
+
+
+def test_ray_back_pressure_is_tied_to_each_replica_admission(engines):
+    """Ray sends a replica at most what its app holds (running + its own queue, which admission by
+    expected work fills only with what can finish), and requests that find every replica full wait at
+    the proxy only up to the app's queue length; Ray answers the rest 503 at once."""
+    deployment = deployment_for(RayServeOptions(engines=engines, max_concurrent=2, max_queue=3))._bound_deployment
+    assert (deployment.max_ongoing_requests, deployment.max_queued_requests) == (5, 3)

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,9 @@ TEXT = "Hello there. How are you?"
 MAX_CHARS = 300
 STREAMED = "trt_cosy"  # decoupled
 SINGLE = "trt_cosy_single"  # one response per request (HTTP infer)
+BUSY = "trt_cosy_busy"  # decoupled, one instance, a request timeout a few times one request's time
+# One segment of about 40 text tokens: the random tiny model speaks it to its limit (about 800 speech tokens).
+BURST_TEXT = "One two three four five six seven. One two three four five six seven."
 
 
 # ----------------------------------------------------------------------------- without a server
@@ -93,12 +99,14 @@ def engines(tmp_path_factory, v2_tiny_dir) -> Path:
 def test_triton_repo_command_writes_a_decoupled_cpu_model(engines, tmp_path):
     runner = CliRunner()
     args = ["triton-repo", "--engines", str(engines), "--out", str(tmp_path / "repo"), "--instances", "3",
-            "--voices-dir", str(tmp_path / "voices"), "--max-queue", "5"]
+            "--voices-dir", str(tmp_path / "voices"), "--max-queue", "5", "--timeout", "60", "--max-concurrent", "2"]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     config = (tmp_path / "repo" / "trt_cosy" / "config.pbtxt").read_text()
     assert "decoupled: true" in config and "count: 3 kind: KIND_CPU" in config, config
     assert "max_queue_size: 5" in config and f'string_value: "{engines.resolve()}"' in config, config
+    assert "default_timeout_microseconds: 60000000" in config and "timeout_action: REJECT" in config, config
+    assert 'key: "max_concurrent" value: { string_value: "2" }' in config, config
     assert 'key: "cpu_instances" value: { string_value: "3" }' in config, config  # instances pin at load
     assert "3 instance(s) x " in config and "each pinned at load to its own cores" in config, config
     assert not (tmp_path / "repo" / "trt_cosy" / "1" / "manifest.json").exists()  # referenced, not copied
@@ -121,9 +129,25 @@ def wavs(tmp_path_factory) -> dict[str, Path]:
     return reference_wavs(tmp_path_factory.mktemp("triton-wavs"))
 
 
+def _alone_s(tts, voice, text: str) -> float:
+    started = time.perf_counter()
+    for _ in tts.synthesize(text, voice, 0):
+        pass
+    return time.perf_counter() - started
+
+
 @pytest.fixture(scope="module")
-def triton(engines, tts, wavs, tmp_path_factory, request):
-    """(server, voices folder): both models of one repository served by a real tritonserver."""
+def busy_timeout_s(tts, wavs) -> float:
+    """The BUSY model's request timeout: 5 times one BURST_TEXT alone here (the work admission keeps 20 %
+    of it as margin, and its warm-up estimate is high for such texts: one or two fit, the rest do not)."""
+    voice = tts.voice_from_wav(wavs["ref"], REF_TEXT)
+    _alone_s(tts, voice, BURST_TEXT)  # first run: sessions warm
+    return round(5 * _alone_s(tts, voice, BURST_TEXT), 1)
+
+
+@pytest.fixture(scope="module")
+def triton(engines, tts, wavs, busy_timeout_s, tmp_path_factory, request):
+    """(server, voices folder): the models of one repository served by a real tritonserver."""
     pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is needed (pip install 'trt-cosy[triton]')")
     pytest.importorskip("tritonclient.http", reason="tritonclient[http] is needed (pip install 'trt-cosy[triton]')")
     from triton_support import TritonServer, stub_numpy_dir
@@ -137,6 +161,8 @@ def triton(engines, tts, wavs, tmp_path_factory, request):
     common = dict(voices_dir=voices, threads=1, max_text_chars=MAX_CHARS, python_path=tuple(python_path))
     write_triton_repo(engines, work / "repo", TritonRepoOptions(model_name=STREAMED, instances=2, **common))
     write_triton_repo(engines, work / "repo", TritonRepoOptions(model_name=SINGLE, decoupled=False, **common))
+    write_triton_repo(engines, work / "repo", TritonRepoOptions(
+        model_name=BUSY, request_timeout_s=busy_timeout_s, **{**common, "max_text_chars": 4096}))
     package_root = str(Path(__file__).resolve().parent.parent)  # this checkout's trt_cosy first
     site = [path for path in sys.path if path.endswith("site-packages")]
     server = TritonServer(work / "repo", work, [package_root, *site]).start()
@@ -365,3 +391,57 @@ def test_a_stub_that_corrupts_numpy_2_tensors_is_refused_at_load(engines, tmp_pa
     site = [path for path in sys.path if path.endswith("site-packages")]
     log = TritonServer(tmp_path / "repo", tmp_path, [package_root, *site]).run_until_exit()
     assert "this Triton Python-backend stub corrupts numpy" in log, log
+
+
+def _generate(server, text: str, seed: int) -> tuple[int, dict, float]:
+    """A non-streamed request on Triton's HTTP generate endpoint: (status, body, seconds to answer)."""
+    import httpx
+
+    started = time.perf_counter()
+    body = {"text": text, "voice": "alice", "seed": seed, "stream": False}
+    response = httpx.post(f"http://{server.http_url}/v2/models/{BUSY}/generate", json=body, timeout=120)
+    return response.status_code, response.json(), time.perf_counter() - started
+
+
+def _metric(server, name: str, **labels: str) -> float:
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_an_overloaded_model_refuses_early_and_finishes_what_it_admitted(triton, tts, busy_timeout_s):
+    """Admission by expected work in the decoupled model: a burst of 5 requests on one instance whose
+    timeout fits one or two of them. The admitted ones complete with the audio of the Python API; the
+    rest are refused at once with UNAVAILABLE and a retry hint; none runs into its timeout.
+    Then, the speed confirmed, a text that could never finish alone is refused (INVALID_ARG, HTTP 400)
+    naming the limit to raise, and Triton's metrics count both refusals."""
+    from trt_cosy.frontend.voice import Voice
+
+    server, voices = triton
+    alice = Voice.load(voices / "alice.npz")
+    with ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(lambda seed: (seed, *_generate(server, BURST_TEXT, seed)), range(5)))
+    completed = [(seed, body) for seed, status, body, _ in answers if status == 200]
+    refused = [(status, body, seconds) for _, status, body, seconds in answers if status != 200]
+    assert completed and refused, (busy_timeout_s, answers)
+    print(f"timeout {busy_timeout_s} s: {len(completed)} completed, refused after "
+          f"{sorted(round(seconds, 2) for *_, seconds in refused)} s")
+    for status, body, seconds in refused:
+        # UNAVAILABLE is HTTP 503; Triton 2.51's decoupled Python-backend responses lose the error code
+        # on the way to the generate endpoint (400, measured; its non-decoupled infer answers 503).
+        assert status in (503, 400) and re.search(r"retry in \d+ s", body["error"]), body
+        assert seconds < 5.0, (seconds, body)  # refused at once, not after waiting
+    for seed, body in completed:
+        expected = np.concatenate(expected_chunks(tts, alice, BURST_TEXT, seed=seed))
+        assert np.array_equal(np.asarray(body["audio"], np.float32), expected), seed
+
+    status, body, seconds = _generate(server, " ".join([BURST_TEXT] * 12), 0)
+    assert status == 400 and "trt-cosy triton-repo --timeout" in body["error"] and seconds < 5.0, body
+    assert _metric(server, "trt_cosy_admission_refused_total", model=BUSY, reason="overloaded") == len(refused)
+    assert _metric(server, "trt_cosy_admission_refused_total", model=BUSY, reason="too_long") == 1
+    assert _metric(server, "trt_cosy_completed_requests_total", model=BUSY) == len(completed)

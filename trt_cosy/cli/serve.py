@@ -18,13 +18,20 @@ from .options import backend_option, engines_or_model_dir
               help="Model repository folder to write into (tritonserver --model-repository).")
 @click.option("--model-name", default="trt_cosy", show_default=True, help="The model's name in Triton.")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Model instances (per GPU with --device gpu); each runs one request at a time.")
+              help="Model instances (per GPU with --device gpu), each loading the engines once.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="KIND_GPU or KIND_CPU instances; auto: GPU for TensorRT engines, CPU for ONNX Runtime ones.")
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of stored voices (<name>.npz) for the `voice` input.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests waiting for a free instance; Triton refuses more.")
+@click.option("--timeout", "request_timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="Seconds a request may take: what would not finish within it is refused at "
+                                      "once (admission by expected work); Triton rejects what is still queued after it.")
+@click.option("--max-concurrent", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Admitted requests each instance of the decoupled model runs at once.")
+@click.option("--work-admission/--no-work-admission", default=True, show_default=True,
+              help="Refuse at once (UNAVAILABLE + retry hint) what cannot finish within the timeout.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per graph and instance.")
 @click.option("--decoupled/--no-decoupled", default=True, show_default=True,
               help="Decoupled (streaming, gRPC and HTTP generate_stream) or one response per request "
@@ -35,14 +42,16 @@ from .options import backend_option, engines_or_model_dir
               help="Text in several requests of one sequence (START: voice + first piece, END: last piece); "
                    "the START request's responses carry the audio (docs/text-streaming.md).")
 def triton_repo(engines: Path, repo: Path, model_name: str, instances: int, device: str, voices_dir: Path | None,
-                max_queue: int, threads: int | None, decoupled: bool, python_path: tuple[str, ...],
+                max_queue: int, request_timeout_s: float, max_concurrent: int, work_admission: bool,
+                threads: int | None, decoupled: bool, python_path: tuple[str, ...],
                 text_streaming: bool) -> None:
     """Write a Triton Inference Server model repository (Python backend) that serves the engines."""
     from ..serving.triton_repo import TritonRepoOptions, write_triton_repo
 
     options = TritonRepoOptions(model_name=model_name, instances=instances, device=device, voices_dir=voices_dir,
                                 max_queue=max_queue, decoupled=decoupled, threads=threads, python_path=python_path,
-                                text_streaming=text_streaming)
+                                request_timeout_s=request_timeout_s, max_concurrent=max_concurrent,
+                                work_admission=work_admission, text_streaming=text_streaming)
     model_dir = write_triton_repo(engines, repo, options)
     click.echo(f"wrote {model_dir}; serve it with: tritonserver --model-repository {repo.resolve()}")
 

@@ -334,6 +334,7 @@ class WorkAdmission:
         stream_first_tokens: speech tokens of a streamed request's first chunk (the first hop plus
             look-ahead: 25 + 3 for CosyVoice2).
         clock: monotonic seconds (``time.monotonic``); tests pass a fake.
+        timeout_setting: where the request timeout is raised, named in a ``too_long`` refusal.
     """
 
     def __init__(
@@ -344,6 +345,7 @@ class WorkAdmission:
         tokens_per_audio_s: float = 25.0,
         stream_first_tokens: float = 28.0,
         clock: Callable[[], float] = time.monotonic,
+        timeout_setting: str = "trt-cosy serve --timeout",
     ):
         if not 0 < margin <= 1:
             raise ValueError(f"margin must be in (0, 1], got {margin}")
@@ -353,6 +355,7 @@ class WorkAdmission:
         self.tokens_per_audio_s = tokens_per_audio_s
         self.stream_first_tokens = stream_first_tokens
         self._clock = clock
+        self.timeout_setting = timeout_setting
         self._numbers = itertools.count()
         self._jobs: dict[int, AdmittedJob] = {}
         self._last = clock()
@@ -442,7 +445,7 @@ class WorkAdmission:
                 f"({job.text_tokens} text tokens, about {self.speed.speech_tokens(job.text_tokens):.0f} "
                 f"speech tokens at {seconds_per_token * 1000:.1f} ms each), more than the {timeout_s:.0f} s request "
                 "timeout even with nothing else running; send the text in parts, or raise the server's "
-                "request timeout (trt-cosy serve --timeout).",
+                f"request timeout ({self.timeout_setting}).",
                 estimated_s=job.estimated_s,
             )
         if not others:

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import tempfile
-import time
-from pathlib import Path
 from typing import Any, Final
 
 import anyio
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InputError
 from ..runtime.heap import return_large_blocks
-from ..synthesis import SynthesisConfig
 from ..version import __version__
 from .access_log import AccessLog
 from .audio_encoding import available_formats
@@ -45,43 +40,14 @@ from .state import ServerState
 from .timeouts import BodyReadTimeout
 from .voices_api import voices_router
 from .voices_store import VoiceStore
-from .work_admission import ServerWork, WarmupRun, segment_tokens_of
+from .work_admission import ServerWork
+from .work_model import warm_up
 
 __all__ = ["create_app", "warm_up"]
 
 _LOGGER = logging.getLogger(__name__)
 
-_WARMUP_TEXT: Final = "Hello."
-_WARMUP_RATE: Final = 16000
 _UPLOAD_SLACK: Final = 64 * 1024  # multipart framing and the form fields around the file
-
-
-def warm_up(tts: Any) -> list[WarmupRun]:
-    """Run every graph once: a voice from a synthetic 2 s recording, then one short sentence, plain and
-    streamed (which also creates the deferred chunk-attention session, ``engines.LAZY_GRAPHS``).
-
-    Returns each synthesis measured (the admission's first estimate of this machine's speed)."""
-    rng = np.random.default_rng(0)
-    time_axis = np.arange(2 * _WARMUP_RATE) / _WARMUP_RATE  # time_axis: [N]
-    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3 * time_axis)  # syllable-like loudness
-    signal = (
-        0.2 * envelope * (np.sin(2 * np.pi * 180 * time_axis) + 0.3 * rng.standard_normal(time_axis.size))
-    )
-    import soundfile
-
-    with tempfile.TemporaryDirectory(prefix="trt-cosy-warmup-") as folder:
-        path = Path(folder) / "warmup.wav"
-        soundfile.write(path, signal.astype(np.float32), _WARMUP_RATE)
-        voice = tts.voice_from_wav(path, None)
-    runs = []
-    for config in (SynthesisConfig(), SynthesisConfig(stream=True)):
-        started = time.perf_counter()
-        chunks = tts.synthesize(_WARMUP_TEXT, voice, 0, config=config)
-        speech_tokens = sum(chunk.timings.get("tokens", 0.0) for chunk in chunks)
-        segments = segment_tokens_of(chunks) or [0]
-        seconds = time.perf_counter() - started
-        runs.append(WarmupRun(config.stream, sum(segments), speech_tokens, seconds, len(segments)))
-    return runs
 
 
 def create_app(tts: Any, settings: ServerSettings) -> FastAPI:

@@ -18,41 +18,19 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, MutableMapping
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from ..synthesis import AudioChunk
 from .access_log import REASON_KEY
-from .admission import AdmittedJob, Refusal, SpeedModel, WorkAdmission, render_priority
+from .admission import AdmittedJob, Refusal, render_priority
 from .errors import APIError
 from .metrics import Metrics
 from .settings import ServerSettings
+from .work_model import WarmupRun, chunk_work, segment_tokens_of, work_admission_for
 
 __all__ = ["ServerWork", "WorkTicket", "WarmupRun", "segment_tokens_of"]
 
 _LOGGER = logging.getLogger(__name__)
-
-_STREAM_FIRST_TOKENS: Final = 28.0  # CosyVoice2's first hop (25) plus its look-ahead (3)
-
-
-@dataclass(frozen=True)
-class WarmupRun:
-    """One warm-up synthesis, measured alone: what calibrates the work model."""
-
-    streaming: bool
-    text_tokens: int
-    speech_tokens: float
-    seconds: float
-    segments: int = 1
-
-
-def segment_tokens_of(chunks: Any) -> list[int] | None:
-    """Text tokens of each planned segment of ``CosyVoice.synthesize``'s iterator; None for other
-    iterators (their work cannot be estimated; they are admitted untracked)."""
-    segments = getattr(getattr(chunks, "request", None), "segments", None)
-    if not segments:
-        return None
-    return [int(segment.ids.size) for segment in segments]
 
 
 class WorkTicket:
@@ -70,11 +48,9 @@ class WorkTicket:
 
     def progress(self, chunk: AudioChunk) -> None:
         if self._work is not None and self._job is not None:
-            timings = chunk.timings
-            seconds = [timings.get(name) for name in ("llm_wait_s", "flow_s", "vocoder_s")]
-            render_s = sum(seconds) if all(value is not None for value in seconds) else None
+            tokens, render_s = chunk_work(chunk)
             # A non-streamed chunk is a whole segment (a streamed request's segment costs are not counted).
-            self._work.policy.progress(self._job, float(timings.get("tokens", 0.0)), True, render_s)
+            self._work.policy.progress(self._job, tokens, True, render_s)
 
     def close(self, completed: bool) -> None:
         """The request ended (idempotent): ``completed`` with all its audio, or stopped early."""
@@ -101,19 +77,7 @@ class ServerWork:
     """
 
     def __init__(self, tts: Any, settings: ServerSettings, metrics: Metrics, clock=None):
-        config = getattr(getattr(tts, "model", None), "config", None)
-        llm = getattr(config, "llm", None)
-        speed = SpeedModel(
-            float(getattr(llm, "min_token_text_ratio", 2.0)),
-            float(getattr(llm, "max_token_text_ratio", 20.0)),
-        )
-        options: dict[str, Any] = {} if clock is None else {"clock": clock}
-        self.policy = WorkAdmission(
-            speed,
-            tokens_per_audio_s=float(getattr(config, "token_frame_rate", 25)),
-            stream_first_tokens=_STREAM_FIRST_TOKENS,
-            **options,
-        )
+        self.policy = work_admission_for(tts, clock)
         self.enabled = settings.work_admission
         self.timeout_s = settings.request_timeout_s
         self.metrics = metrics

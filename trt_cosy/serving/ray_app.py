@@ -23,8 +23,8 @@ from typing import Any, Final
 
 from ..errors import InputError
 
-__all__ = ["RayServeOptions", "CpuShare", "build_app", "cpu_share", "deployment_for", "run_ray_serve",
-           "REPLICA_HEADER"]
+__all__ = ["RayServeOptions", "CpuShare", "backpressure", "build_app", "cpu_share", "deployment_for",
+           "run_ray_serve", "REPLICA_HEADER"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -181,11 +181,27 @@ def deployment_for(options: RayServeOptions) -> Any:
     deployment = serve.deployment(serve.ingress()(TrtCosyReplica)).options(
         name="TrtCosy",
         ray_actor_options=actor,
-        # Ray queues beyond this; the app itself admits max_concurrent and queues max_queue more.
-        max_ongoing_requests=options.max_concurrent + options.max_queue,
+        **backpressure(options),
         **scale,
     )
     return deployment.bind(str(engines), settings, options.threads, cpu)
+
+
+def backpressure(options: RayServeOptions) -> dict[str, int]:
+    """Ray Serve's back-pressure settings, tied to each replica's own admission (docs/deploy.md).
+
+    ``max_ongoing_requests``: what one replica's app holds, ``max_concurrent`` running plus ``max_queue``
+    waiting; its admission by expected work answers at once (503 + Retry-After) what would not finish
+    in time, so a replica's ongoing requests are the ones it admitted, and Ray's router (the less busy
+    of two replicas) sends new work where fewer are admitted, never more than a replica can hold.
+    ``max_queued_requests``: requests that find every replica full wait at Ray's proxy, where no
+    admission sees them while their timeout runs; unbounded by default, so at most ``max_queue`` wait
+    there (per proxy) and Ray answers the rest 503 at once.
+    """
+    return {
+        "max_ongoing_requests": options.max_concurrent + options.max_queue,
+        "max_queued_requests": max(1, options.max_queue),
+    }
 
 
 def build_app(args: dict[str, str]) -> Any:

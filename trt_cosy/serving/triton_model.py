@@ -1,10 +1,17 @@
 """The Triton Python-backend model (``TritonPythonModel``) that ``trt-cosy triton-repo`` writes.
 
 Runs only inside Triton's Python-backend stub (it imports ``triton_python_backend_utils``). One
-``CosyVoice`` per model instance; requests of an instance run one after another (``--instances``
-sets how many run at once). Decoupled (the default): one response per audio chunk and then the final
-flag, or with ``stream`` false one response holding the whole audio. Bad input answers that request
+``CosyVoice`` per model instance. Decoupled (the default): one response per audio chunk and then the
+final flag, or with ``stream`` false one response holding the whole audio. Bad input answers that request
 with a Triton error carrying the CLI's message; the instance keeps serving.
+
+Admission by expected work (``triton_admission``, the rule of ``trt-cosy serve``): the decoupled
+``execute`` plans each request as it arrives, refuses at once what cannot finish within its timeout
+(UNAVAILABLE with the seconds to wait, or INVALID_ARG when it never could here), and hands the rest to
+the instance's ``max_concurrent`` worker threads in the predicted order, then returns: Triton's queue
+stays empty and the model sees all the work. Without a decoupled policy ``execute`` must answer before
+the next request is seen, so requests run one at a time per instance and wait in Triton's queue
+(``default_queue_policy``); only what could never finish is refused there.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +29,15 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..errors import InputError, TrtCosyError
-from .triton_speech import DEFAULT_MAX_TEXT_CHARS, INPUT_NAMES, TritonSpeech
+from .triton_admission import PriorityWorkers, RequestTimedOut, TritonTicket, TritonWork
+from .triton_speech import DEFAULT_MAX_TEXT_CHARS, INPUT_NAMES, TritonSpeech, samples_of
 
 __all__ = ["TritonPythonModel"]
 
 _LOGGER = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0  # trt-cosy serve's request timeout
+DEFAULT_MAX_CONCURRENT = 4
 
 
 def check_numpy_abi() -> None:
@@ -109,8 +121,20 @@ class TritonPythonModel:
         self.text_streaming = parameters.get("text_streaming") == "true"
         self._sequences: dict[int, _Sequence] = {}  # text-streaming sequences by correlation id
         self._sequences_lock = threading.Lock()
-        _LOGGER.info("%s ready: %s from %s (decoupled %s)", args["model_instance_name"], tts.model_id, engines,
-                     self.decoupled)
+        timeout_s = float(parameters.get("request_timeout_s") or DEFAULT_TIMEOUT_S)
+        enabled = parameters.get("work_admission", "true").lower() != "false"
+        events = _TritonMetrics.create(args["model_name"], args["model_instance_name"])
+        self.work = TritonWork(tts, timeout_s, enabled, events)
+        if enabled:
+            from ..server.work_model import warm_up
+
+            self.work.calibrate(warm_up(tts))
+        self.workers = None
+        if self.decoupled:
+            concurrent = int(parameters.get("max_concurrent") or DEFAULT_MAX_CONCURRENT)
+            self.workers = PriorityWorkers(concurrent, f"{args['model_instance_name']}-worker")
+        _LOGGER.info("%s ready: %s from %s (decoupled %s, timeout %.0f s, work admission %s)",
+                     args["model_instance_name"], tts.model_id, engines, self.decoupled, timeout_s, enabled)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if self.text_streaming:
@@ -119,8 +143,8 @@ class TritonPythonModel:
             return None
         if self.decoupled:
             for request in requests:
-                self._stream(request, request.get_response_sender())
-            return None
+                self._accept(request, request.get_response_sender())
+            return None  # the workers answer; Triton sends the next requests meanwhile
         return [self._single(request) for request in requests]
 
     def finalize(self) -> None:
@@ -128,6 +152,8 @@ class TritonPythonModel:
             sequences = list(self._sequences.values())
         for sequence in sequences:
             sequence.text.abort()
+        if self.workers is not None:
+            self.workers.close()
         self.speech = None
 
     # ------------------------------------------------------------------ text streaming (sequences)
@@ -178,37 +204,88 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ decoupled
 
-    def _stream(self, request: Any, sender: Any) -> None:
+    def _accept(self, request: Any, sender: Any) -> None:
+        """Plan the request and admit it to a worker, or answer it now (bad input, refused)."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        arrived = time.monotonic()
         try:
-            inputs, chunks = self.speech.chunks(_inputs(request))
-            if not inputs.stream:
-                audio = _concatenate(chunks)
-                sender.send(self._response(audio), flags=final)  # exactly one response (HTTP generate)
+            inputs, chunks = self.speech.start(_inputs(request))
+        except Exception as exc:  # noqa: BLE001 - every failure answers this request, the instance stays up
+            sender.send(pb_utils.InferenceResponse(error=_error(exc)), flags=final)
+            return
+        try:
+            timeout_s = self.work.timeout_for(_request_timeout_us(request))
+            ticket = self.work.admit(chunks, inputs.stream, timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            chunks.close()
+            sender.send(pb_utils.InferenceResponse(error=_error(exc)), flags=final)
+            return
+        deadline = arrived + timeout_s
+        self.workers.submit(ticket.priority, lambda: self._stream(inputs.stream, chunks, ticket, sender, deadline))
+
+    def _stream(self, stream: bool, chunks: Any, ticket: TritonTicket, sender: Any, deadline: float) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        completed = False
+        ticket.start()
+        try:
+            if not stream:
+                audio = self._run(chunks, ticket, deadline, sender)
+                if audio is not None:
+                    sender.send(self._response(audio), flags=final)  # exactly one response (HTTP generate)
+                    completed = True
+                else:
+                    sender.send(flags=final)
                 return
-            for audio in chunks:
+            for chunk in chunks:
+                ticket.progress(chunk)
                 if _cancelled(sender):
-                    chunks.close()
                     break
-                sender.send(self._response(audio))
+                sender.send(self._response(samples_of(chunk)))
+                _check_deadline(deadline)
+            else:
+                completed = True
             sender.send(flags=final)
         except Exception as exc:  # noqa: BLE001 - every failure answers this request, the instance stays up
             sender.send(pb_utils.InferenceResponse(error=_error(exc)), flags=final)
+        finally:
+            chunks.close()
+            ticket.close(completed)
+
+    def _run(self, chunks: Any, ticket: TritonTicket, deadline: float, sender: Any = None) -> np.ndarray | None:
+        """The whole audio of a non-streamed request; None when its client cancelled it."""
+        parts = []
+        for chunk in chunks:
+            ticket.progress(chunk)
+            parts.append(samples_of(chunk))
+            if sender is not None and _cancelled(sender):
+                return None
+            _check_deadline(deadline)
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)  # audio: [N]
 
     # ------------------------------------------------------------------ one response per request
 
     def _single(self, request: Any) -> Any:
+        arrived = time.monotonic()  # its time in Triton's queue is not known here
+        chunks, ticket, completed = None, TritonTicket(), False
         try:
-            inputs, chunks = self.speech.chunks(_inputs(request))
+            inputs, chunks = self.speech.start(_inputs(request))
             if inputs.stream:
-                chunks.close()
                 raise InputError(
                     "stream is true but this model is not decoupled; send stream false, or use the decoupled "
                     "model (`trt-cosy triton-repo` without --no-decoupled) with gRPC streaming."
                 )
-            return self._response(_concatenate(chunks))
+            timeout_s = self.work.timeout_for(_request_timeout_us(request))
+            ticket = self.work.admit(chunks, False, timeout_s)
+            ticket.start()
+            response = self._response(self._run(chunks, ticket, arrived + timeout_s))
+            completed = True
+            return response
         except Exception as exc:  # noqa: BLE001
             return pb_utils.InferenceResponse(error=_error(exc))
+        finally:
+            if chunks is not None:
+                chunks.close()
+            ticket.close(completed)
 
     def _response(self, audio: np.ndarray) -> Any:
         return pb_utils.InferenceResponse(
@@ -273,9 +350,22 @@ def _inputs(request: Any) -> dict[str, np.ndarray]:
     return inputs
 
 
-def _concatenate(chunks: Any) -> np.ndarray:
-    parts = list(chunks)
-    return np.concatenate(parts) if parts else np.zeros(0, np.float32)  # audio: [N]
+def _request_timeout_us(request: Any) -> int | None:
+    """The request's own Triton timeout (microseconds; 0 or None: none)."""
+    timeout = getattr(request, "timeout", None)
+    try:
+        return int(timeout()) if timeout is not None else None
+    except Exception:  # noqa: BLE001 - a stub without it
+        return None
+
+
+def _check_deadline(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise RequestTimedOut(
+            "the request did not finish within its timeout (the work admission underestimated it); it was "
+            "stopped. Retry it, send the text in parts, or raise the model's request_timeout_s "
+            "(`trt-cosy triton-repo --timeout`)."
+        )
 
 
 def _cancelled(sender: Any) -> bool:
@@ -285,7 +375,8 @@ def _cancelled(sender: Any) -> bool:
 
 def _error(exc: Exception) -> Any:
     if isinstance(exc, TrtCosyError):
-        message, code = str(exc), "INVALID_ARG"
+        # AdmissionRefused / RequestTimedOut carry their code (UNAVAILABLE: retry later); bad input INVALID_ARG.
+        message, code = str(exc), getattr(exc, "code", "INVALID_ARG")
     else:
         _LOGGER.error("internal error", exc_info=exc)
         message, code = f"internal error ({type(exc).__name__}: {exc}); see the Triton server log.", "INTERNAL"
@@ -293,3 +384,68 @@ def _error(exc: Exception) -> Any:
         return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
     except (AttributeError, TypeError):  # a stub without error codes
         return pb_utils.TritonError(message)
+
+
+class _TritonMetrics:
+    """``triton_admission.WorkEvents`` as Triton custom metrics (on Triton's metrics endpoint, labelled
+    with the model and instance)."""
+
+    _REASONS = ("overloaded", "cannot_keep_up", "too_long")
+
+    def __init__(self, model: str, instance: str):
+        family = pb_utils.MetricFamily
+        labels = {"model": model, "instance": instance}
+        self._families: list[Any] = []  # a MetricFamily must outlive its metrics (Triton deletes it with the object)
+
+        def metric(name: str, description: str, kind: Any) -> Any:
+            self._families.append(family(name=name, description=description, kind=kind))
+            return self._families[-1].Metric(labels=labels)
+
+        refused = family(
+            name="trt_cosy_admission_refused_total",
+            description="Requests refused at once by admission by expected work, by reason "
+            "(overloaded, cannot_keep_up: UNAVAILABLE; too_long: INVALID_ARG).",
+            kind=family.COUNTER,
+        )
+        self._families.append(refused)
+        self._refused = {reason: refused.Metric(labels={**labels, "reason": reason}) for reason in self._REASONS}
+        self._queue = metric("trt_cosy_queue_seconds_total", "Seconds admitted requests waited for a worker.",
+                             family.COUNTER)
+        self._started = metric("trt_cosy_started_requests_total", "Admitted requests that got a worker.",
+                               family.COUNTER)
+        self._estimated = metric("trt_cosy_work_estimated_seconds_total",
+                                 "Expected machine seconds of the completed requests, when admitted.", family.COUNTER)
+        self._actual = metric("trt_cosy_work_actual_seconds_total",
+                              "Machine seconds the completed requests took.", family.COUNTER)
+        self._completed = metric("trt_cosy_completed_requests_total", "Requests completed with all their audio.",
+                                 family.COUNTER)
+        self._ahead = metric("trt_cosy_admitted_work_seconds",
+                             "Expected machine seconds of the admitted work still to do.", family.GAUGE)
+
+    @classmethod
+    def create(cls, model: str, instance: str) -> _TritonMetrics | None:
+        """The metrics, or None where this stub has no custom metrics (then only the log says why)."""
+        if getattr(pb_utils, "MetricFamily", None) is None:
+            return None
+        try:
+            return cls(model, instance)
+        except Exception as exc:  # noqa: BLE001 - metrics disabled in this server
+            _LOGGER.warning("no custom metrics for the work admission: %s", exc)
+            return None
+
+    def refused(self, reason: str) -> None:
+        metric = self._refused.get(reason)
+        if metric is not None:
+            metric.increment(1)
+
+    def queued(self, seconds: float) -> None:
+        self._queue.increment(seconds)
+        self._started.increment(1)
+
+    def completed(self, estimated_s: float, actual_s: float) -> None:
+        self._estimated.increment(estimated_s)
+        self._actual.increment(actual_s)
+        self._completed.increment(1)
+
+    def admitted_work(self, seconds: float) -> None:
+        self._ahead.set(seconds)

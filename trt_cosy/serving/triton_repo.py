@@ -62,14 +62,28 @@ class TritonRepoOptions:
     model_name: str = "trt_cosy"
     """The model's name in Triton (its folder name, and the URL ``/v2/models/<name>``)."""
     instances: int = 1
-    """Model instances (each loads the engines once and runs one request at a time): per GPU with KIND_GPU."""
+    """Model instances (each loads the engines once; the decoupled model runs up to ``max_concurrent`` requests
+    in each, the other one request at a time): per GPU with KIND_GPU."""
     device: str = "auto"
     """``"cpu"`` (KIND_CPU), ``"gpu"`` (KIND_GPU: ``instances`` on every GPU) or ``"auto"`` (GPU for
     TensorRT engines, CPU for ONNX Runtime engines)."""
     voices_dir: Path | None = None
     """Folder of stored voices (``<name>.npz``) that the ``voice`` input names; None: only reference audio."""
     max_queue: int = 8
-    """Requests waiting for a free instance; Triton refuses more (``Exceeds maximum queue size``)."""
+    """Requests waiting in Triton's queue for an instance; Triton refuses more (``Exceeds maximum queue
+    size``). The decoupled model takes requests from that queue as they come (its own admission judges
+    them), so there it only bounds a burst; without a decoupled policy it is the queue of waiting requests."""
+    request_timeout_s: float = 300.0
+    """Seconds a request may take from arrival to its last audio (``trt-cosy serve --timeout``): admission
+    by expected work refuses at once what would not finish within it, and Triton's queue policy rejects a
+    request still queued after it (``timeout_action: REJECT``). A client's shorter Triton timeout is used
+    instead (``allow_timeout_override``)."""
+    max_concurrent: int = 4
+    """Admitted requests each instance of the decoupled model runs at once (its worker threads); the
+    engine orders their heavy stages by admission, so more mainly shares the LLM's batch."""
+    work_admission: bool = True
+    """Admission by expected work (``serving.triton_admission``); False: every request is started (and a
+    warm-up less at load)."""
     decoupled: bool = True
     """Decoupled transaction policy (streaming: one response per chunk). False: one response per request,
     for clients of Triton's HTTP ``infer`` endpoint, which refuses decoupled models."""
@@ -90,10 +104,12 @@ class TritonRepoOptions:
     def __post_init__(self) -> None:
         if not self.model_name or "/" in self.model_name or self.model_name.startswith("."):
             raise InputError(f"invalid model name {self.model_name!r}; use letters, digits, '_' or '-'.")
-        for name in ("instances", "max_queue", "max_text_chars"):
+        for name in ("instances", "max_queue", "max_text_chars", "max_concurrent"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}.")
+        if not self.request_timeout_s > 0:
+            raise InputError(f"request_timeout_s must be positive (seconds), got {self.request_timeout_s!r}.")
         if self.device not in DEVICES:
             raise InputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}.")
         if self.text_streaming and not self.decoupled:
@@ -148,6 +164,13 @@ def _cpu_comment(options: TritonRepoOptions) -> str:
             f"thread(s) per graph, each pinned at load to its own cores" + (" (sharing cores)" if plan.shared else ""))
 
 
+_QUEUE_COMMENT: Final = (
+    "# Queue: beyond max_queue_size Triton refuses at once; a request still queued after the request timeout\n"
+    "# (a client may ask for less) is rejected, not started for a client that gave up. The model itself\n"
+    "# refuses at once what would not finish within it (admission by expected work, docs/deploy.md).\n"
+)
+
+
 def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
     """The ``config.pbtxt`` text (protobuf text format)."""
     parameters = {
@@ -158,6 +181,10 @@ def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
         # KIND_CPU: each instance claims its slot of the machine's CPU plan (cpu_budget) and pins to it.
         "cpu_instances": str(options.instances) if kind == "KIND_CPU" else "",
         "text_streaming": "true" if options.text_streaming else "",
+        # Admission by expected work (serving.triton_admission).
+        "request_timeout_s": f"{options.request_timeout_s:g}",
+        "max_concurrent": str(options.max_concurrent),
+        "work_admission": str(options.work_admission).lower(),
     }
     inputs = ",\n".join(
         f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{" optional: true" if optional else ""} }}'
@@ -178,7 +205,9 @@ def model_config(engines: Path, kind: str, options: TritonRepoOptions) -> str:
         + (
             _sequence_batching(options)
             if options.text_streaming
-            else f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {options.max_queue} }} }}\n"
+            else _QUEUE_COMMENT
+            + f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {options.max_queue} timeout_action: REJECT "
+            f"default_timeout_microseconds: {round(options.request_timeout_s * 1e6)} allow_timeout_override: true }} }}\n"
         )
         + f"instance_group [ {{ count: {options.instances} kind: {kind} }} ]\n"
         f"input [\n{inputs}\n]\n"

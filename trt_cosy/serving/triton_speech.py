@@ -20,7 +20,7 @@ from ..errors import InputError
 from ..frontend.voice import Voice
 from ..synthesis import SynthesisConfig
 
-__all__ = ["SpeechInputs", "TritonSpeech", "parse_inputs", "INPUT_NAMES"]
+__all__ = ["SpeechInputs", "TritonSpeech", "parse_inputs", "samples_of", "INPUT_NAMES"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -163,15 +163,19 @@ class TritonSpeech:
         The text and voice are checked before this returns (``InputError``); the models run while the
         iterator is consumed, and closing it stops them.
         """
+        request, chunks = self.start(inputs)
+        return request, _samples(chunks)
+
+    def start(self, inputs: Mapping[str, np.ndarray]) -> tuple[SpeechInputs, Iterator[Any]]:
+        """Like ``chunks``, but the engine's own iterator of ``AudioChunk`` (its planned segments on
+        ``.request``: what admission by expected work reads; ``samples_of`` gives each chunk's audio)."""
         request = parse_inputs(inputs, self.max_text_chars)
         voice = self._voice(request)
         config = SynthesisConfig(stream=request.stream, instruct=request.instructions)
         if request.source_audio is not None:  # voice conversion (official inference_vc)
             source = (request.source_audio, request.source_sample_rate)
-            chunks = self.tts.convert(source, voice, request.seed, config)
-        else:
-            chunks = self.tts.synthesize(request.text, voice, request.seed, config)
-        return request, _samples(chunks)
+            return request, self.tts.convert(source, voice, request.seed, config)
+        return request, self.tts.synthesize(request.text, voice, request.seed, config)
 
     def text_stream(self, inputs: Mapping[str, np.ndarray]) -> tuple[Any, Iterator[np.ndarray]]:
         """Start a request whose text comes in pieces (a text-streaming sequence's START request; its
@@ -228,9 +232,14 @@ class TritonSpeech:
                 raise InputError(str(exc).replace(str(path), _REFERENCE_NAME)) from None
 
 
+def samples_of(chunk: Any) -> np.ndarray:
+    """An ``AudioChunk``'s audio as Triton sends it: float32 [N], contiguous."""
+    return np.ascontiguousarray(chunk.samples, dtype=np.float32)  # samples: [N]
+
+
 def _samples(chunks: Iterator[Any]) -> Iterator[np.ndarray]:
     try:
         for chunk in chunks:
-            yield np.ascontiguousarray(chunk.samples, dtype=np.float32)  # samples: [N]
+            yield samples_of(chunk)
     finally:
         chunks.close()
