@@ -326,13 +326,18 @@ class DecodeScheduler:
     def _drop(self, indices: list[int], end: object = _END) -> None:
         """Remove rows (highest index first, so each move keeps the others' indices) and end them."""
         for index in sorted(indices, reverse=True):
-            row = self._rows[index]
-            moved = self.slots.remove(index)
-            if moved is not None:
-                self._rows[index] = self._rows[moved]
-            self._rows.pop()
-            row.tokens.put(end)
+            self._remove_row(index).tokens.put(end)
             self.stats.left += 1
+
+    def _remove_row(self, index: int) -> _Row:
+        """Take row ``index`` out of the batch and free its slot; the last row moves into the gap, as the
+        KV slots move their last slot (``KVSlots.remove``). With the lock held."""
+        row = self._rows[index]
+        moved = self.slots.remove(index)
+        if moved is not None:
+            self._rows[index] = self._rows[moved]
+        self._rows.pop()
+        return row
 
     def _run(self) -> None:
         self._applied = None  # a new loop thread: give it the decode priority
@@ -387,12 +392,8 @@ class DecodeScheduler:
 
     def _park(self, index: int) -> None:
         """A row that waits for text leaves the batch with a copy of its cache and keeps a slot (lock held)."""
-        row = self._rows[index]
         cache = self.slots.export(index)
-        moved = self.slots.remove(index)
-        if moved is not None:
-            self._rows[index] = self._rows[moved]
-        self._rows.pop()
+        row = self._remove_row(index)
         self._holding.add(row)
         self.stats.parked += 1
         row.tokens.put(_Parked(cache))
