@@ -161,3 +161,48 @@ def test_server_work_refuses_with_headers_reason_and_metrics_and_orders_the_admi
     tickets[0].progress(SimpleNamespace(timings={"tokens": 4000.0}, is_last=True))
     tickets[0].close(completed=True)
     assert work.admit({}, chunks[2], False, 100.0) is not None  # room again
+
+
+def test_conversions_are_admitted_by_their_source_tokens_and_teach_nothing(tmp_path):
+    """A voice conversion's work is its source's speech tokens (25 per second here, no LLM): admitted
+    beside the syntheses, refused with 503 + Retry-After when it would not finish in time and with 413
+    when it never could; a finished conversion leaves the speed model as it was."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from trt_cosy.server import ServerSettings
+    from trt_cosy.server.access_log import REASON_KEY
+    from trt_cosy.server.errors import APIError
+    from trt_cosy.server.metrics import Metrics
+    from trt_cosy.server.work_admission import ServerWork, WarmupRun
+
+    now = [0.0]
+    settings = ServerSettings(voices_dir=tmp_path, request_timeout_s=100.0)
+    work = ServerWork(SimpleNamespace(), settings, Metrics(), clock=lambda: now[0])
+    work.calibrate([WarmupRun(False, 10, 200, 2.0)])  # 10 ms per speech token
+    work.policy.speed.confirmed = True
+    speed = work.policy.speed
+    seconds_per_token, ratio = speed.seconds_per_token(False), speed.ratio
+    planned = SimpleNamespace(
+        request=SimpleNamespace(segments=[SimpleNamespace(ids=np.zeros(200, np.int64))], render_priority=None)
+    )
+    synthesis = work.admit({}, planned, False, 100.0)  # 4000 tokens: 40 s
+    conversion = work.admit_conversion({}, 160.0, False, 100.0)  # 160 s of source: 4000 tokens, 40 s
+    assert [round(job.total_tokens) for job in work.policy.jobs] == [4000, 4000]
+    scope: dict = {}
+    with pytest.raises(APIError) as busy:
+        work.admit_conversion(scope, 80.0, False, 100.0)  # 20 s more would end after the timeout's margin
+    assert busy.value.status == 503 and int(busy.value.headers["Retry-After"]) > 0
+    assert scope[REASON_KEY].startswith("refused: overloaded")
+    with pytest.raises(APIError) as never:
+        work.admit_conversion({}, 1000.0, False, 100.0)  # 250 s alone: never within 100 s
+    assert never.value.status == 413 and "--timeout" in never.value.message
+    conversion.start()
+    now[0] = 30.0
+    conversion.progress(SimpleNamespace(timings={"tokens": 4000.0}, is_last=True))
+    conversion.close(completed=True)
+    assert (speed.seconds_per_token(False), speed.ratio) == (seconds_per_token, ratio)  # taught nothing
+    synthesis.close(completed=False)
+    assert work.policy.jobs == []
+    assert work.admit_conversion({}, 80.0, False, 100.0) is not None  # room again

@@ -245,6 +245,9 @@ class AdmittedJob:
     work_s: float = 0.0
     """Machine seconds attributed to it so far: the busy time shared among the running requests."""
     finished: bool = False
+    teaches: bool = True
+    """Whether its completion teaches the speed model (a text-to-speech request; not a conversion, whose
+    work per speech token has no LLM decode in it)."""
 
     @property
     def queue_s(self) -> float | None:
@@ -415,7 +418,23 @@ class WorkAdmission:
             deadline=now + timeout_s,
             estimated_s=estimated,
         )
-        if not self.speed.known(streaming):  # nothing measured yet (no warm-up): admit, learn
+        return self._decide(job, timeout_s)
+
+    def admit_speech(self, speech_tokens: float, streaming: bool, timeout_s: float) -> AdmittedJob | Refusal:
+        """Admit a request whose speech tokens are known (a voice conversion: the source's tokens, no LLM),
+        or say why not. Judged as a synthesis of those tokens (an upper bound: it skips the LLM decode);
+        its completion teaches the speed model nothing."""
+        self._advance()
+        now = self._clock()
+        speed = self.speed
+        total = speed.work_tokens(max(0.0, speech_tokens), streaming, 1)
+        first = min(total, self.stream_first_tokens) if streaming else total
+        estimated = total * speed.seconds_per_token(streaming)
+        job = AdmittedJob(-1, streaming, 0, first, total, now, now + timeout_s, estimated, teaches=False)
+        return self._decide(job, timeout_s)
+
+    def _decide(self, job: AdmittedJob, timeout_s: float) -> AdmittedJob | Refusal:
+        if not self.speed.known(job.streaming):  # nothing measured yet (no warm-up): admit, learn
             return self._enter(job)
         refusal = self._judge(job, timeout_s)
         if refusal is not None:
@@ -539,7 +558,7 @@ class WorkAdmission:
         job.produced += work
         job.speech_tokens += speech_tokens
         job.first_done = True
-        if self.speed.known(job.streaming):
+        if self.speed.known(job.streaming) and job.teaches:
             self._window_estimated_s += work * self.speed.seconds_per_token(job.streaming)
         if not job.streaming and segment_done and render_s is not None:
             self.speed.observe_segment(speech_tokens, render_s)
@@ -555,7 +574,7 @@ class WorkAdmission:
         self._advance()
         job.finished = True
         self._jobs.pop(job.number, None)
-        if not completed or job.speech_tokens <= 0:
+        if not completed or job.speech_tokens <= 0 or not job.teaches:
             return
         self.speed.observe_ratio(job.text_tokens, job.speech_tokens)
         if not self.speed.known(job.streaming):

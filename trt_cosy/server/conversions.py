@@ -89,11 +89,19 @@ def conversions_router(state: ServerState) -> APIRouter:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         try:
-            slot = await state.admission.acquire(settings.request_timeout_s)
+            # Refused at once (503/413) when it would not finish in time with the work admitted.
+            left_s = settings.request_timeout_s - (time.perf_counter() - received_at)
+            work = state.work.admit_conversion(request.scope, seconds, streaming, left_s) if state.work else None
+            try:
+                slot = await state.admission.acquire(settings.request_timeout_s)
+            except BaseException:
+                if work is not None:
+                    work.close(completed=False)
+                raise
         except BaseException:
             chunks.close()
             raise
-        job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s)
+        job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s, work)
         try:
             async with cancel_on_disconnect(job, request.receive):
                 first = await job.next()

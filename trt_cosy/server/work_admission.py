@@ -109,7 +109,27 @@ class ServerWork:
         segments = segment_tokens_of(chunks)
         if not self.enabled or segments is None:
             return WorkTicket()
-        decision = self.policy.admit(segments, streaming, left_s)
+        decision = self._admitted(scope, self.policy.admit(segments, streaming, left_s))
+        request = getattr(chunks, "request", None)
+        if request is not None:  # the engine serves the heavy stages in admission order
+            request.render_priority = render_priority(decision)
+        self.publish()
+        return WorkTicket(self, decision)
+
+    def admit_conversion(
+        self, scope: MutableMapping[str, Any], source_seconds: float, streaming: bool, left_s: float
+    ) -> WorkTicket:
+        """Admit a voice conversion of a ``source_seconds`` source (its speech tokens at the model's token
+        rate; no LLM), as ``admit`` does a synthesis: 503 / 413 when it would not finish in time."""
+        if not self.enabled:
+            return WorkTicket()
+        tokens = source_seconds * self.policy.tokens_per_audio_s
+        decision = self._admitted(scope, self.policy.admit_speech(tokens, streaming, left_s))
+        self.publish()
+        return WorkTicket(self, decision)
+
+    def _admitted(self, scope: MutableMapping[str, Any], decision: AdmittedJob | Refusal) -> AdmittedJob:
+        """The admitted job, or the refusal raised as an ``APIError`` (503 + Retry-After, 413), counted and logged."""
         if isinstance(decision, Refusal):
             self.metrics.admission_refused.labels(decision.reason).inc()
             scope[REASON_KEY] = f"refused: {decision.reason} (expected {decision.estimated_s:.1f} s of work)"
@@ -117,11 +137,7 @@ class ServerWork:
             headers = {} if decision.retry_after_s is None else {"Retry-After": str(decision.retry_after_s)}
             code = "input_too_long_for_timeout" if decision.status == 413 else "server_overloaded"
             raise APIError(decision.status, decision.message, code, headers=headers)
-        request = getattr(chunks, "request", None)
-        if request is not None:  # the engine serves the heavy stages in admission order
-            request.render_priority = render_priority(decision)
-        self.publish()
-        return WorkTicket(self, decision)
+        return decision
 
     def publish(self) -> None:
         speed = self.policy.speed
