@@ -4,7 +4,8 @@
 Results must equal ``CosyVoice.synthesize`` in this process bit for bit (same seed, same voice, one
 thread per graph on both sides). The server binary comes from the nvidia-pytriton wheel (Triton 2.51), or
 $TRT_COSY_TRITONSERVER. That stub needs numpy<2: with numpy 2 here, pip installs numpy<2 once into pytest's
-cache (.pytest_cache/d/trt-cosy-triton) and the repository puts it first on the stub's path.
+cache (.pytest_cache/d/trt-cosy-triton; without the cache plugin, next to the session's temp folders) and the
+repository puts it first on the stub's path.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def triton(engines, tts, wavs, busy_timeout_s, tmp_path_factory, request):
     voices = work / "voices"
     voices.mkdir()
     tts.voice_from_wav(wavs["ref"], REF_TEXT).save(voices / "alice.npz")
-    numpy_dir = stub_numpy_dir(Path(request.config.cache.mkdir("trt-cosy-triton")))
+    numpy_dir = stub_numpy_dir(request.config, tmp_path_factory)
     python_path = [str(numpy_dir)] if numpy_dir else []
     common = dict(voices_dir=voices, threads=1, max_text_chars=MAX_CHARS, python_path=tuple(python_path))
     write_triton_repo(engines, work / "repo", TritonRepoOptions(model_name=STREAMED, instances=2, **common))

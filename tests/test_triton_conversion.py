@@ -97,7 +97,7 @@ def test_tritonserver_streams_a_conversion_into_a_stored_voice(tts, tmp_path_fac
     voices.mkdir()
     target = tts.vc_voice_from_wav(AUDIO / "zh_16k_mono.wav")
     target.save(voices / "alice.npz")
-    numpy_dir = stub_numpy_dir(Path(request.config.cache.mkdir("trt-cosy-triton")))
+    numpy_dir = stub_numpy_dir(request.config, tmp_path_factory)
     python_path = (str(numpy_dir),) if numpy_dir else ()
     options = TritonRepoOptions(voices_dir=voices, threads=1, python_path=python_path)
     write_triton_repo(engines, work / "repo", options)

@@ -63,7 +63,7 @@ def triton(engines, tts, tmp_path_factory, request):
     voices = work / "voices"
     voices.mkdir()
     tts.voice_from_wav(reference_wavs(work)["ref"], REF_TEXT).save(voices / "alice.npz")
-    numpy_dir = stub_numpy_dir(Path(request.config.cache.mkdir("trt-cosy-triton")))
+    numpy_dir = stub_numpy_dir(request.config, tmp_path_factory)
     python_path = (str(numpy_dir),) if numpy_dir else ()
     options = TritonRepoOptions(
         model_name=MODEL, voices_dir=voices, threads=1, python_path=python_path, text_streaming=True

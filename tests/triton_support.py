@@ -3,6 +3,7 @@ it on free ports, wait until ready, stop it. Skips (with the reason) only where 
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -58,17 +59,29 @@ def backend_dir(work: Path) -> tuple[Path, Path, dict[str, str]]:
     return root / "bin" / "tritonserver", backends, env
 
 
-def stub_numpy_dir(cache_dir: Path) -> Path | None:
+def stub_numpy_dir(config: pytest.Config, factory: pytest.TempPathFactory) -> Path | None:
     """A folder holding numpy<2 for the stub (Triton 2.51's stub corrupts numpy 2 arrays), made once with
-    pip and kept in pytest's cache; None when this numpy is already 1.x."""
+    pip; None when this numpy is already 1.x. Kept in pytest's cache (``.pytest_cache/d/trt-cosy-triton``)
+    where the cache plugin runs, else in the folder above the session's base temp (shared by pytest-xdist
+    workers); an exclusive lock keeps two sessions or workers from installing into it at once."""
     if int(np.__version__.split(".")[0]) < 2:
         return None
-    target = cache_dir / "stub-numpy"
-    if not (target / "numpy").is_dir():
-        command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), _STUB_NUMPY]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            pytest.skip(f"cannot install {_STUB_NUMPY} for the Triton stub: {result.stderr.strip()[-300:]}")
+    cache = getattr(config, "cache", None)  # None under `-p no:cacheprovider`
+    if cache is not None:
+        folder = Path(cache.mkdir("trt-cosy-triton"))
+    else:
+        folder = factory.getbasetemp().parent / "trt-cosy-triton"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "stub-numpy"
+    with open(folder / "install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "numpy").is_dir():
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
+            command = [*pip, "--target", str(target), _STUB_NUMPY]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                reason = result.stderr.strip()[-300:]
+                pytest.skip(f"cannot install {_STUB_NUMPY} for the Triton stub: {reason}")
     return target
 
 
