@@ -26,13 +26,17 @@ def _shared_exports(tmp_path_factory):
     """The session's builds export each distinct graph once (``builder.export_reuse``, through the
     environment so that the builds of ``trt-cosy`` child processes share too): the tiny checkpoints are
     built many times over (backends, precisions, families), and the torch exports were most of the
-    suite's time. An export is reused only for the same module, weights, feeds and settings."""
+    suite's time. An export is reused only for the same module, weights, feeds and settings. Under
+    pytest-xdist the folder is the run's, above each worker's base temp: the workers share it too (an
+    export one worker is making is waited for, ``export_reuse.claimed``)."""
     import os
 
     from trt_cosy.builder.export_reuse import EXPORT_CACHE_ENV  # numpy only
 
     previous = os.environ.get(EXPORT_CACHE_ENV)
-    os.environ[EXPORT_CACHE_ENV] = str(tmp_path_factory.getbasetemp() / "shared-exports")
+    base = tmp_path_factory.getbasetemp()
+    run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: <run>/popen-gw<N>
+    os.environ[EXPORT_CACHE_ENV] = str(run / "shared-exports")
     yield
     if previous is None:
         os.environ.pop(EXPORT_CACHE_ENV, None)

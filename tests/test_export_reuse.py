@@ -85,3 +85,31 @@ def test_the_environment_shares_exports_between_processes_and_nothing_without_it
     _export(_toy(), tmp_path / "d" / "toy.onnx", lines)
     assert sum("exporting to" in line for line in lines) == 3
     assert [path.name for path in (tmp_path / "store").iterdir()] and not list((tmp_path / "store").glob(".*"))
+
+
+def test_a_second_maker_of_the_same_export_waits_for_the_first_then_reuses_it(tmp_path, monkeypatch):
+    """Two builds (pytest-xdist workers, parallel tuned builds) wanting the same export: the second waits
+    on the key's lock while the first makes it, then copies it instead of exporting again."""
+    import threading
+
+    from trt_cosy.builder.export_reuse import claimed, export_key, remember
+
+    monkeypatch.setenv(EXPORT_CACHE_ENV, str(tmp_path / "store"))  # seen by the second maker's thread too
+    feed = {"x": np.linspace(-1, 1, 40, dtype=np.float32).reshape(1, 5, 8)}
+    key = export_key("toy", "toy.onnx", _toy(), [feed], {"x": {1: Dim("T", min=1)}}, 18, None)
+    second: list[str] = []
+    waiting = threading.Thread(target=lambda: _export(_toy(), tmp_path / "b" / "toy.onnx", second))
+    with claimed(key):  # the first maker holds the key while it exports
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive() and not second, "the second maker must wait for the key"
+        with shared_exports(tmp_path / "elsewhere"):  # the first maker's export (its own lock there)
+            first = _export(_toy(), tmp_path / "a" / "toy.onnx", [])
+        remember(key, first)
+    waiting.join(60)
+    assert not waiting.is_alive(), "the second maker never got the key"
+    assert any("reusing an earlier export" in line for line in second), second
+    assert not any("exporting to" in line for line in second), second
+    assert (tmp_path / "b" / "toy.onnx").read_bytes() == first.path.read_bytes()
+    with claimed(None):  # exports not shared: nothing to lock
+        pass

@@ -114,8 +114,28 @@ def export_graph(
     key = export_reuse.export_key(
         spec.name, path.name, module, [sample_inputs, *parity_inputs], dynamic_shapes, opset, tolerance
     )
-    if (kept := export_reuse.reused(key, spec.name, path, emit)) is not None:  # an earlier build's export
-        return ExportResult(spec.name, path, kept.files, kept.max_errors, kept.seconds)
+    with export_reuse.claimed(key):  # another process making the same export: wait, then reuse it
+        if (kept := export_reuse.reused(key, spec.name, path, emit)) is not None:  # an earlier build's export
+            return ExportResult(spec.name, path, kept.files, kept.max_errors, kept.seconds)
+        result = _export_and_check(
+            spec, module, sample_inputs, path, dynamic_shapes, parity_inputs, tolerance, opset, emit
+        )
+        export_reuse.remember(key, result)
+    return result
+
+
+def _export_and_check(
+    spec: GraphSpec,
+    module: nn.Module,
+    sample_inputs: Mapping[str, np.ndarray],
+    path: Path,
+    dynamic_shapes: Mapping[str, Mapping[int, Any]],
+    parity_inputs: Sequence[Mapping[str, np.ndarray]],
+    tolerance: float | None,
+    opset: int,
+    emit: Callable[[str], None],
+) -> ExportResult:
+    """``export_graph``'s work where no earlier export is reused: export, check the graph, compare with torch."""
     start = time.perf_counter()
     module = module.eval()
     emit(f"{spec.name}: exporting to {path.name} (opset {opset})")
@@ -136,9 +156,7 @@ def export_graph(
     files = (path, data) if data.exists() else (path,)
     seconds = time.perf_counter() - start
     emit(f"{spec.name}: done in {seconds:.1f} s, max error {_format_errors(errors)}")
-    result = ExportResult(spec.name, path, files, errors, seconds)
-    export_reuse.remember(key, result)
-    return result
+    return ExportResult(spec.name, path, files, errors, seconds)
 
 
 def _export_to_file(

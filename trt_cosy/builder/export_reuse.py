@@ -8,12 +8,15 @@ environment: several processes share the folder) ``export.export_graph`` asks ``
 ``remember`` after. An export is kept under the digest of everything that shapes it (``export_key``):
 the graph's name, the module's class, every parameter and buffer (bytes), every submodule's other
 attributes, the sample and parity feeds (bytes), the dynamic shapes, the opset and the tolerance. A
-reused export is a copy, never a link: the later build steps rewrite their graphs in place.
+reused export is a copy, never a link: the later build steps rewrite their graphs in place. While one
+process makes an export, ``claimed`` holds a lock on its key: another process (a pytest-xdist worker, a
+parallel tuned build) wanting the same export waits for it and then reuses it, instead of making it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +39,7 @@ class KeptExport(NamedTuple):
     max_errors: dict[str, float]
     seconds: float
 
-__all__ = ["EXPORT_CACHE_ENV", "KeptExport", "shared_exports", "export_key", "reused", "remember"]
+__all__ = ["EXPORT_CACHE_ENV", "KeptExport", "claimed", "shared_exports", "export_key", "reused", "remember"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -109,6 +112,21 @@ def _fingerprint(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"{value.dtype}{value.shape}:" + hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
     return repr(value)
+
+
+@contextlib.contextmanager
+def claimed(key: str | None) -> Iterator[None]:
+    """Hold the key's lock (``<store>/.<key>.lock``, an exclusive ``flock``) for the block: the one export
+    of ``key`` is made by one process at a time; others wait, then find it with ``reused``. Nothing is
+    locked where exports are not shared now. The lock goes with the process, so a crash never leaves it held."""
+    store = _store()
+    if key is None or store is None:
+        yield
+        return
+    store.mkdir(parents=True, exist_ok=True)
+    with open(store / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def reused(key: str | None, name: str, path: Path, emit: Callable[[str], None]) -> KeptExport | None:
