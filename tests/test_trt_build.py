@@ -19,10 +19,12 @@ GRAPHS = ("llm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "hif
 
 
 @pytest.fixture(scope="module")
-def tiny_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trt_cosy.builder.testmodel.release import make_test_model
+def tiny_release(tmp_path_factory: pytest.TempPathFactory, v2_tiny_dir: Path) -> Path:
+    """The session's tiny CosyVoice2 release (the golden checkpoint with a make-test-model tokenizer and
+    frontend models): its graphs are exported once per session, shared with the other builds of it."""
+    from _support import tiny_release as session_release
 
-    return make_test_model(tmp_path_factory.mktemp("trt-release") / "tiny")
+    return session_release(tmp_path_factory, v2_tiny_dir)
 
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU is present: the plain build would make plans")
