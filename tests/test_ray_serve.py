@@ -88,10 +88,12 @@ def test_replicas_are_pinned_to_disjoint_cores(ray_url):
     import httpx
 
     seen: set[str] = set()
-    for _ in range(60):  # idle replicas: Ray's router picks either at random
-        seen.add(httpx.get(ray_url + "/health", timeout=60).headers[REPLICA_HEADER])
-        if len(seen) == 2:
-            break
+    with httpx.Client(timeout=60) as client, ThreadPoolExecutor(4) as pool:
+        for _ in range(15):  # concurrent, as in _wait_for_replicas: one at a time may all go to one replica
+            answers = list(pool.map(lambda _: client.get(ray_url + "/health"), range(4)))
+            seen |= {answer.headers[REPLICA_HEADER] for answer in answers}
+            if len(seen) == 2:
+                break
     assert len(seen) == 2, seen
     masks = [os.sched_getaffinity(int(name.split("@")[0])) for name in sorted(seen)]
     assert [len(mask) for mask in masks] == [1, 1] and not masks[0] & masks[1], masks

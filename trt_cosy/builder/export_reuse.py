@@ -116,15 +116,16 @@ def _fingerprint(value: Any) -> str:
 
 @contextlib.contextmanager
 def claimed(key: str | None) -> Iterator[None]:
-    """Hold the key's lock (``<store>/.<key>.lock``, an exclusive ``flock``) for the block: the one export
+    """Hold the key's lock (``<store>/locks/<key>``, an exclusive ``flock``) for the block: the one export
     of ``key`` is made by one process at a time; others wait, then find it with ``reused``. Nothing is
     locked where exports are not shared now. The lock goes with the process, so a crash never leaves it held."""
     store = _store()
     if key is None or store is None:
         yield
         return
-    store.mkdir(parents=True, exist_ok=True)
-    with open(store / f".{key}.lock", "w") as lock:
+    locks = store / "locks"  # kept: removing a lock file others wait on would let two makers in
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / key, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
