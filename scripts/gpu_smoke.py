@@ -54,7 +54,8 @@ STEPS = (
     Step("profiles", 80, True, "every plan at each profile's min/opt/max, switching, vs ORT, 2 threads"),
     Step("nan-kv", 30, True, "batched decode over KV slots poisoned with NaN equals each row alone"),
     Step("verify", 60, True, "trt-cosy verify --backend tensorrt on the golden tiny v2 and v3 sets"),
-    Step("timing", 30, True, "CPU enqueue vs GPU time: ms per decode step (B = 1, 4, 16) and per chunk"),
+    Step("timing", 40, True, "CPU enqueue vs GPU time: ms per decode step (B = 1, 4, 16) and per chunk, "
+         "CUDA graphs on and off"),
 )
 assert sum(step.budget_s for step in STEPS) <= 600, "the smoke run must fit 10 minutes"
 
@@ -70,6 +71,13 @@ def step_versions(work: Path) -> str:
 
     parts = [f"python {sys.version.split()[0]}", f"numpy {numpy.__version__}"]
     parts.append(f"trt-cosy {trt_cosy.__version__}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    for package in ("cuda-python", "cuda-bindings"):
+        try:
+            parts.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            pass
     reason = gpu_unavailable_reason()
     if reason is None:
         import tensorrt
@@ -106,7 +114,8 @@ def step_prepared(work: Path) -> str:
 
 
 def step_fakes(work: Path) -> str:
-    tests = ["tests/test_trt_device_counts.py", "tests/test_trt_plan_build.py", "tests/test_trt_packaging.py"]
+    tests = ["tests/test_trt_device_counts.py", "tests/test_trt_euler_graphs.py", "tests/test_trt_plan_build.py",
+             "tests/test_trt_packaging.py"]  # fmt: skip
     _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests])
     return f"{len(tests)} test files"
 
@@ -329,8 +338,60 @@ def step_timing(work: Path) -> str:
         lines.append(
             f"Euler chunk (10 steps, {frames} frames): {enqueue_ms:.2f} ms CPU enqueue, {gpu_ms:.2f} ms GPU"
         )
+    lines += _time_incremental(engines, profiles)
     print("\n".join(lines))
     return "; ".join(lines)
+
+
+def _time_incremental(engines: Path, profiles) -> list[str]:
+    """ms per incremental chunk (50 new frames after 0..150 cached ones) through the step plan, with the
+    steps' CUDA graphs on and off: CPU enqueue, GPU time, and how the graphs were used."""
+    import numpy as np
+
+    from trt_cosy.runtime.cuda import Event
+    from trt_cosy.runtime.device_blocks import DeviceBlocks
+    from trt_cosy.runtime.euler import step_schedule
+    from trt_cosy.runtime.euler_incremental import DeviceIncrementalLoop, incremental_feed
+    from trt_cosy.runtime.trt import BOUND_INPUTS, TrtRunner
+    from trt_cosy.stages.flow import cosine_t_span
+
+    name = "flow_step_incremental"
+    if name not in profiles:
+        return [f"{name}: not in these engines"]
+    runner = TrtRunner.from_plan(engines / "plans" / f"{name}.plan", name, profiles[name],
+                                 external=BOUND_INPUTS[name])  # fmt: skip
+    (_, layers, _, width), (_, channels, tail) = (profiles[name].max_shapes()[n] for n in ("past_blocks", "past_tails"))
+    rng, frames, lines = np.random.default_rng(1), 50, []
+    start, stop = Event(timing=True), Event(timing=True)
+    for graphs in (True, False):
+        loop = DeviceIncrementalLoop(runner, step_schedule(cosine_t_span(10)), graphs=graphs)
+        enqueue, gpu = [], []
+        for segment in range(2):  # the first segment warms up (profiles, captures)
+            store = DeviceBlocks(10, layers * 2 * width * 4, 2 * channels * tail * 4)
+            store.upload_tails(np.zeros((10, 2, channels, tail), np.float32), runner.stream(0))
+            for _ in range(4):
+                wide = rng.standard_normal((1, 80, frames)).astype(np.float32)
+                feed = incremental_feed(wide, wide, wide[:, :, 0], wide)
+                with runner.slot() as slot:
+                    began = time.perf_counter()
+                    start.record(runner.stream(slot))
+                    out = loop.enqueue_chunk(store, feed, slot)
+                    queued = (time.perf_counter() - began) * 1e3
+                    stop.record(runner.stream(slot))
+                    out.event.synchronize()
+                    stop.synchronize()
+                if segment:
+                    enqueue.append(queued)
+                    gpu.append(stop.elapsed_ms(start))
+            store.free()
+        loop.free()
+        lines.append(
+            f"incremental chunk ({frames} new frames, 0-150 cached, graphs {'on' if graphs else 'off'}): "
+            f"{np.median(enqueue):.2f} ms CPU enqueue, {np.median(gpu):.2f} ms GPU"
+        )
+    lines.append(f"{name} launches: {runner.graph_counts}")
+    runner.free()
+    return lines
 
 
 STEP_FUNCTIONS: dict[str, Callable[[Path], str]] = {

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import EngineMismatchError, InputError, TrtCosyError
 from .cuda import CudaError, CudaGraph, DeviceBuffer, Event, PinnedBuffer, Stream
+from .euler import FLOW_STEP_INCREMENTAL
 from .graphs import FLOW_ESTIMATOR_INCREMENTAL
 from .llm_decode import LLM_DECODE_NAME, device_cache_inputs
 from .profiles import PROFILES_NAME, GraphProfiles, read_profiles
@@ -77,7 +78,10 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 MAX_GRAPHS: Final = 128  # captured CUDA graphs kept per slot (least recently made dropped first)
 # Inputs a plan reads from device memory that its caller owns (bound by address at every enqueue).
-BOUND_INPUTS: Final[Mapping[str, tuple[str, ...]]] = {FLOW_ESTIMATOR_INCREMENTAL.name: ("past_blocks",)}
+BOUND_INPUTS: Final[Mapping[str, tuple[str, ...]]] = {
+    FLOW_ESTIMATOR_INCREMENTAL.name: ("past_blocks",),
+    FLOW_STEP_INCREMENTAL.name: ("past_blocks", "past_tails"),  # the segment's store and its tails
+}
 
 
 def load_plan_runners(
