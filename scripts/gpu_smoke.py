@@ -67,7 +67,7 @@ def step_versions(work: Path) -> str:
     import numpy
 
     import trt_cosy
-    from trt_cosy.runtime.cuda import device_info, gpu_unavailable_reason
+    from trt_cosy.runtime.backends.tensorrt.cuda import device_info, gpu_unavailable_reason
 
     parts = [f"python {sys.version.split()[0]}", f"numpy {numpy.__version__}"]
     parts.append(f"trt-cosy {trt_cosy.__version__}")
@@ -159,13 +159,37 @@ def _random_feed(shapes, dtypes, rng):
     return feed
 
 
-def step_profiles(work: Path) -> str:
+def _work_through(runner, reference, graph, where, tolerance, failures, seed, sequence) -> None:
+    """Run ``sequence`` of (profile, min/opt/max) feeds on ``runner`` and ``reference``; note each
+    output beyond ``tolerance`` (looser than the parity feeds': random inputs) or with NaN."""
     import numpy as np
 
+    rng = np.random.default_rng(seed)
+    dtypes = {n: spec[1] for n, spec in runner.input_specs().items()}
+    for index, which in sequence:
+        feed = _random_feed(_shapes_at(graph.profiles[index], which), dtypes, rng)
+        if graph.select({n: v.shape for n, v in feed.items()}) != index:
+            continue  # an earlier profile takes these shapes; it is checked there
+        got, want = runner.infer(feed), reference.infer(feed)
+        for output, value in want.items():
+            if not np.isfinite(value).all():
+                continue  # random data the fp32 graph itself overflows on: nothing to compare
+            at = f"{where} {graph.profiles[index].name}[{which}] {output}"
+            if not np.isfinite(got[output]).all():
+                failures.append(f"{at}: NaN")
+                continue
+            scale = max(1.0, float(np.abs(value).max()))
+            error = float(np.abs(got[output].astype(np.float64) - value).max()) / scale
+            if error > tolerance:
+                failures.append(f"{at}: {error:.2e}")
+
+
+def step_profiles(work: Path) -> str:
+
     from trt_cosy.builder.trt.parity import PLAN_TOLERANCES
-    from trt_cosy.runtime.ort import OrtRunner
+    from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
+    from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
     from trt_cosy.runtime.profiles import read_profiles
-    from trt_cosy.runtime.trt import TrtRunner
 
     checked, failures = 0, []
     for family in FAMILIES:
@@ -179,30 +203,10 @@ def step_profiles(work: Path) -> str:
             fp32 = engines / f"{name}.onnx"  # left out by --prepare where an fp16 twin exists
             graph_file = fp32 if fp32.is_file() else engines / f"{name}.fp16.onnx"
             reference = OrtRunner.from_path(graph_file, name, threads=2, exported=True)
-            dtypes = {n: spec[1] for n, spec in runner.input_specs().items()}
             order = [(p, w) for p in range(len(graph.profiles)) for w in range(3)]  # min/opt/max of each
-
-            def work_through(seed: int, sequence) -> None:
-                rng = np.random.default_rng(seed)
-                for index, which in sequence:
-                    feed = _random_feed(_shapes_at(graph.profiles[index], which), dtypes, rng)
-                    if graph.select({n: v.shape for n, v in feed.items()}) != index:
-                        continue  # an earlier profile takes these shapes; it is checked there
-                    got, want = runner.infer(feed), reference.infer(feed)
-                    for output, value in want.items():
-                        if not np.isfinite(value).all():
-                            continue  # random data the fp32 graph itself overflows on: nothing to compare
-                        where = f"{family}/{name} {graph.profiles[index].name}[{which}] {output}"
-                        if not np.isfinite(got[output]).all():
-                            failures.append(f"{where}: NaN")
-                            continue
-                        scale = max(1.0, float(np.abs(value).max()))
-                        error = float(np.abs(got[output].astype(np.float64) - value).max()) / scale
-                        if error > 10 * tolerance:  # random inputs: looser than the parity feeds
-                            failures.append(f"{where}: {error:.2e}")
-
             sequences = ((0, order + order[::-1]), (1, order[::-1] + order))  # back and forth, both slots
-            threads = [threading.Thread(target=work_through, args=sequence) for sequence in sequences]
+            check = (runner, reference, graph, f"{family}/{name}", 10 * tolerance, failures)  # random feeds
+            threads = [threading.Thread(target=_work_through, args=(*check, *sequence)) for sequence in sequences]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -217,12 +221,12 @@ def step_profiles(work: Path) -> str:
 def step_nan_kv(work: Path) -> str:
     import numpy as np
 
-    from trt_cosy.runtime.cuda import PinnedBuffer, Stream
+    from trt_cosy.runtime.backends.tensorrt.batch import DeviceKVSlots, TrtBatchLLM, cache_dtype
+    from trt_cosy.runtime.backends.tensorrt.cuda import PinnedBuffer, Stream
+    from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
     from trt_cosy.runtime.kv_slots import PrefillCache
     from trt_cosy.runtime.llm_decode import LLM_DECODE_NAME, device_cache_inputs
     from trt_cosy.runtime.profiles import read_profiles
-    from trt_cosy.runtime.trt import TrtRunner
-    from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype
 
     engines = work / "v2"
     profiles = read_profiles(engines / "profiles.json")
@@ -277,13 +281,18 @@ def step_verify(work: Path) -> str:
 def step_timing(work: Path) -> str:
     import numpy as np
 
-    from trt_cosy.runtime.cuda import Event
-    from trt_cosy.runtime.euler import DeviceEulerLoop, guidance_feed, step_schedule
+    from trt_cosy.runtime.backends.tensorrt.batch import (
+        DeviceKVSlots,
+        TrtBatchLLM,
+        cache_dtype,
+        decode_limits,
+    )
+    from trt_cosy.runtime.backends.tensorrt.cuda import Event
+    from trt_cosy.runtime.backends.tensorrt.euler import DeviceEulerLoop, guidance_feed, step_schedule
+    from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
     from trt_cosy.runtime.kv_slots import PrefillCache
     from trt_cosy.runtime.llm_decode import LLM_DECODE_NAME, device_cache_inputs
     from trt_cosy.runtime.profiles import read_profiles
-    from trt_cosy.runtime.trt import TrtRunner
-    from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype, decode_limits
     from trt_cosy.stages.flow import cosine_t_span
 
     engines = work / "v2"
@@ -348,11 +357,11 @@ def _time_incremental(engines: Path, profiles) -> list[str]:
     steps' CUDA graphs on and off: CPU enqueue, GPU time, and how the graphs were used."""
     import numpy as np
 
-    from trt_cosy.runtime.cuda import Event
-    from trt_cosy.runtime.device_blocks import DeviceBlocks
-    from trt_cosy.runtime.euler import step_schedule
-    from trt_cosy.runtime.euler_incremental import DeviceIncrementalLoop, incremental_feed
-    from trt_cosy.runtime.trt import BOUND_INPUTS, TrtRunner
+    from trt_cosy.runtime.backends.tensorrt.cuda import Event
+    from trt_cosy.runtime.backends.tensorrt.device_blocks import DeviceBlocks
+    from trt_cosy.runtime.backends.tensorrt.euler import step_schedule
+    from trt_cosy.runtime.backends.tensorrt.euler_incremental import DeviceIncrementalLoop, incremental_feed
+    from trt_cosy.runtime.backends.tensorrt.runner import BOUND_INPUTS, TrtRunner
     from trt_cosy.stages.flow import cosine_t_span
 
     name = "flow_step_incremental"
@@ -451,7 +460,7 @@ def _strip_fp32_twins(engines: Path) -> list[str]:
 
 
 def run_steps(work: Path, cpu_only: bool, only: list[str] | None, scale: float = 1.0) -> int:
-    from trt_cosy.runtime.cuda import gpu_unavailable_reason
+    from trt_cosy.runtime.backends.tensorrt.cuda import gpu_unavailable_reason
 
     reason = None if cpu_only else gpu_unavailable_reason()
     results = []

@@ -20,12 +20,12 @@ import pytest
 from trt_fakes import FAKE_TRT, CountingCuda, FakeEngine
 
 from trt_cosy.models.registry import read_release_config
-from trt_cosy.runtime import cuda
-from trt_cosy.runtime.euler import FLOW_STEP_INCREMENTAL, step_schedule
-from trt_cosy.runtime.euler_incremental import DeviceIncrementalLoop
-from trt_cosy.runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL
+from trt_cosy.runtime.backends.tensorrt import cuda
+from trt_cosy.runtime.backends.tensorrt.euler import step_schedule
+from trt_cosy.runtime.backends.tensorrt.euler_incremental import DeviceIncrementalLoop
+from trt_cosy.runtime.backends.tensorrt.runner import BOUND_INPUTS, TrtRunner
+from trt_cosy.runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL, FLOW_STEP_INCREMENTAL
 from trt_cosy.runtime.profiles import step_profiles
-from trt_cosy.runtime.trt import BOUND_INPUTS, TrtRunner
 from trt_cosy.stages.flow import cosine_t_span
 from trt_cosy.stages.flow_incremental import FlowCache, cache_layout, solve_euler_incremental
 
@@ -56,7 +56,12 @@ def _estimator(config):
         t = np.asarray(views["t"], np.float32)
         mean = np.float32(past.mean()) if past.size else np.float32(0)
         velocity = np.float32(0.5) * x + mean + np.float32(tails.mean()) + t[:, None, None]
-        velocity = velocity + np.asarray(views["mu"]) - np.asarray(views["cond"]) + np.asarray(views["spks"])[:, :, None]
+        velocity = (
+            velocity
+            + np.asarray(views["mu"])
+            - np.asarray(views["cond"])
+            + np.asarray(views["spks"])[:, :, None]
+        )
         new = x.shape[2]
         positions = np.arange(past.shape[0], past.shape[0] + new, dtype=np.float32)  # absolute frames
         new_blocks = np.broadcast_to((x[0, 0] + positions)[:, None, None, None], (new, blocks, 2, width))
@@ -95,7 +100,11 @@ def _step_runner(config) -> TrtRunner:
         guided, unguided = np.float32(1.0 + CFG), np.float32(CFG)
         velocity = guided * velocity[0:1] - unguided * velocity[1:2]  # [1, 80, T]
         x_next = x + np.asarray(views["dt"])[0] * velocity
-        return {"x_next": x_next.astype(np.float32), "new_blocks": out["new_blocks"], "new_tails": out["new_tails"]}
+        return {
+            "x_next": x_next.astype(np.float32),
+            "new_blocks": out["new_blocks"],
+            "new_tails": out["new_tails"],
+        }
 
     def output_shape(shapes, name):
         new = shapes["x"][2]
@@ -176,7 +185,9 @@ def test_a_voice_prefix_on_the_device_carries_its_tails(config, counting):
     loop.free()
 
 
-def test_a_failed_capture_falls_back_to_plain_launches_with_one_log_line(config, counting, monkeypatch, caplog):
+def test_a_failed_capture_falls_back_to_plain_launches_with_one_log_line(
+    config, counting, monkeypatch, caplog
+):
     steps = config.flow.cfm.n_timesteps
     runner = _step_runner(config)
     loop = DeviceIncrementalLoop(runner, step_schedule(cosine_t_span(steps)))
@@ -215,7 +226,11 @@ def test_a_capture_right_after_a_shape_change_is_what_the_fake_refuses(config, c
 
     runner.set_shapes = set_shapes_keeping_fresh_off
     _chunk(loop, cache, _inputs(50), 50, steps)
-    refused = [c for c in runner.engine.live_contexts[0].calls if c == ("execute", "captured before a launch after the shape change")]
+    refused = [
+        c
+        for c in runner.engine.live_contexts[0].calls
+        if c == ("execute", "captured before a launch after the shape change")
+    ]
     assert refused and not runner._graphs  # refused, then the runner fell back to plain launches
     loop.free()
 
@@ -224,14 +239,19 @@ def test_the_plain_euler_loop_replays_its_step_graphs_while_the_frames_stay(conf
     """``DeviceEulerLoop`` (full or chunk attention, no cache): with stable addresses and the same frame
     count, the second and later solves replay every step's graph without capturing again."""
     from trt_cosy.models.registry import trt_profiles
-    from trt_cosy.runtime.euler import FLOW_STEP, DeviceEulerLoop, guidance_feed
+    from trt_cosy.runtime.backends.tensorrt.euler import DeviceEulerLoop, guidance_feed
+    from trt_cosy.runtime.graphs import FLOW_STEP
 
     steps = config.flow.cfm.n_timesteps
     profiles = step_profiles(trt_profiles(config)["flow_estimator"], FLOW_STEP.name)
 
     def compute(views):
         x, t, dt = (np.asarray(views[n]) for n in ("x", "t", "dt"))
-        return {"x_next": (x + dt[0] * (np.float32(0.5) * x + t[0] + np.asarray(views["mu"])[:1])).astype(np.float32)}
+        return {
+            "x_next": (x + dt[0] * (np.float32(0.5) * x + t[0] + np.asarray(views["mu"])[:1])).astype(
+                np.float32
+            )
+        }
 
     engine = FakeEngine(profiles, outputs=FLOW_STEP.output_names, compute=compute,
                         output_shape=lambda shapes, name: shapes["x"])  # fmt: skip

@@ -7,11 +7,11 @@ trip. The step graph moves the per-step host work into the graph:
     v      = estimator(concat(x, x), mask, mu, expand(t, 2), spks, cond)   # [2, 80, F]
     x_next = x + dt * ((1 + cfg) * v[0] - cfg * v[1])                      # [1, 80, F]
 
-so ``runtime.euler.DeviceEulerLoop`` can chain the n steps on one stream. The incremental streaming
-estimator (``FLOW_ESTIMATOR_INCREMENTAL``: no mask, the cached ``past_blocks`` / ``past_tails`` in and
-``new_blocks`` / ``new_tails`` out) is wrapped the same way into ``FLOW_STEP_INCREMENTAL``: its other
-inputs and outputs pass through, so ``runtime.euler_incremental.DeviceIncrementalLoop`` keeps x, the
-velocity and the cache on the device for a whole chunk. The added nodes compute
+so ``runtime.backends.tensorrt.euler.DeviceEulerLoop`` can chain the n steps on one stream. The incremental
+streaming estimator (``FLOW_ESTIMATOR_INCREMENTAL``: no mask, the cached ``past_blocks`` / ``past_tails``
+in and ``new_blocks`` / ``new_tails`` out) is wrapped the same way into ``FLOW_STEP_INCREMENTAL``: its
+other inputs and outputs pass through, so ``runtime.backends.tensorrt.euler_incremental.DeviceIncrementalLoop``
+keeps x, the velocity and the cache on the device for a whole chunk. The added nodes compute
 in float32 in the order ``solve_euler`` does (``guided * v0 - unguided * v1``, then ``x + dt * v``),
 so both loops agree to float32 rounding. The estimator may be the fp32 export or the fp16 graph of
 ``builder.quantize.precision`` (its I/O stays float32 by default; fp16 I/O gets Casts at the border). Its
@@ -30,8 +30,7 @@ import onnx.compose
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrtCosyError
-from ..runtime.euler import STEP_GRAPHS
-from ..runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_INCREMENTAL, GraphSpec
+from ..runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_INCREMENTAL, STEP_GRAPHS, GraphSpec
 from .onnx.files import save_onnx
 
 __all__ = ["ESTIMATOR_PREFIX", "wrap_estimator_step", "write_flow_step"]
@@ -43,7 +42,7 @@ _STEP: Final = "flow_step/"  # prefix of the wrapper's own nodes and tensors
 
 
 def wrap_estimator_step(model: onnx.ModelProto, cfg_rate: float) -> onnx.ModelProto:
-    """Turn an estimator graph into its step graph (``runtime.euler.STEP_GRAPHS``).
+    """Turn an estimator graph into its step graph (``runtime.graphs.STEP_GRAPHS``).
 
     Args:
         model: the estimator, fp32 export or fp16 graph (not modified): the ``FLOW_ESTIMATOR``

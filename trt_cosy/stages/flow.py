@@ -21,16 +21,10 @@ import numpy as np
 
 from ..config import FlowConfig
 from ..errors import InputError
-from ..runtime.base import Runner
-from ..runtime.euler import (
-    FLOW_STEP,
-    FLOW_STEP_INCREMENTAL,
-    FLOW_STEP_STREAM,
-    DeviceEulerLoop,
-    guidance_feed,
-    step_schedule,
-)
-from ..runtime.euler_incremental import DeviceIncrementalLoop
+from ..runtime.backends.base import Runner
+from ..runtime.backends.tensorrt.euler import DeviceEulerLoop, guidance_feed, step_schedule
+from ..runtime.backends.tensorrt.euler_incremental import DeviceIncrementalLoop
+from ..runtime.graphs import FLOW_STEP, FLOW_STEP_INCREMENTAL, FLOW_STEP_STREAM
 from .flow_incremental import (
     DEFAULT_LIMIT_BYTES,
     DEFAULT_VOICE_SLOTS,

@@ -6,7 +6,7 @@ come out the same in every later call (fixed noise, same tokens). ``FlowCache`` 
 step, what the new frames need from them (each transformer block's normalised input, for keys and
 values; each causal convolution's last two input frames) and their finished mel, and
 ``solve_euler_incremental`` runs the ``FLOW_ESTIMATOR_INCREMENTAL`` graph on the new frames only
-(on TensorRT engines with the step plan, ``runtime.euler_incremental.DeviceIncrementalLoop`` runs the
+(on TensorRT engines with the step plan, ``runtime.backends.tensorrt.euler_incremental.DeviceIncrementalLoop`` runs the
 whole chunk on the device: x, the velocity and the cache stay there).
 The encoder still reruns over every token (a few % of the flow's work).
 
@@ -35,9 +35,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..runtime.base import Runner
-from ..runtime.device_blocks import DeviceBlocks
-from ..runtime.euler_incremental import DeviceIncrementalLoop, incremental_feed
+from ..runtime.backends.base import Runner
+from ..runtime.backends.tensorrt.device_blocks import DeviceBlocks
+from ..runtime.backends.tensorrt.euler_incremental import DeviceIncrementalLoop, incremental_feed
 from ..runtime.incremental_profiles import DEFAULT_LIMIT_BYTES
 from ..runtime.profiles import GraphProfiles
 
@@ -181,7 +181,7 @@ class FlowCache:
         self._shared = [prefix.past(step)[0] for step in range(min(self.steps, prefix.steps))]
         self._blocks = []
         if prefix.device is not None:  # a device prefix: this request extends its own copy of it
-            from ..runtime.cuda import Stream
+            from ..runtime.backends.tensorrt.cuda import Stream
 
             with Stream() as stream:
                 self.device = prefix.device.clone(stream)
@@ -409,7 +409,7 @@ def _device_store(runner: Any, cache: FlowCache, tails: bool) -> DeviceBlocks:
 
 def _upload_host_blocks(runner: Any, cache: FlowCache) -> None:
     """Copy the blocks a cache holds on the host into its (new) device store, once."""
-    from ..runtime.cuda import DeviceBuffer, PinnedBuffer
+    from ..runtime.backends.tensorrt.cuda import DeviceBuffer, PinnedBuffer
 
     store = cache.device
     assert store is not None

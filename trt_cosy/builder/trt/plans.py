@@ -14,7 +14,7 @@ Two steps, so that a GPU host never needs torch:
    new plan runs on its parity feeds against the fp32 outputs: NaN/inf or an error above
    ``PLAN_TOLERANCES`` removes it and fails the build; ``plans/parity.json`` records the errors. A plan
    whose record does not match the running system is rebuilt; the runtime refuses it
-   (``runtime.trt.plan_mismatch``). The Docker entrypoint runs this step on first start.
+   (``runtime.backends.tensorrt.runner.plan_mismatch``). The Docker entrypoint runs this step on first start.
 
 The ``plans/`` directory is per GPU and TensorRT version: it is not listed in ``manifest.json``.
 """
@@ -36,8 +36,17 @@ import numpy as np
 from ...config import ModelConfig
 from ...errors import EngineMismatchError, InputError, TrtCosyError
 from ...family_lookup import family_named
-from ...runtime.euler import FLOW_STEP_INCREMENTAL
-from ...runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL
+from ...runtime.backends.tensorrt.runner import (
+    PLANS_DIR,
+    PlanRecord,
+    checkpoint_digest,
+    current_system,
+    load_tensorrt,
+    plan_mismatch,
+    shared_runtime,
+    trt_logger,
+)
+from ...runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL, FLOW_STEP_INCREMENTAL
 from ...runtime.incremental_profiles import incremental_profiles
 from ...runtime.llm_decode import LLM_DECODE_NAME
 from ...runtime.manifest import file_sha256
@@ -51,16 +60,6 @@ from ...runtime.profiles import (
     step_profiles,
     trt_graph_specs,
     write_profiles,
-)
-from ...runtime.trt import (
-    PLANS_DIR,
-    PlanRecord,
-    checkpoint_digest,
-    current_system,
-    load_tensorrt,
-    plan_mismatch,
-    shared_runtime,
-    trt_logger,
 )
 from ...version import __version__
 from ..progress import emitter
@@ -136,7 +135,7 @@ def prepare_trt_graphs(
     if (engines_dir / f"{INCREMENTAL_NAME}.onnx").is_file():  # CosyVoice2: streaming chunks, new frames only
         profiles[INCREMENTAL_NAME] = incremental_profiles(config, limits)  # type: ignore[arg-type]
         names.append(INCREMENTAL_NAME)
-        # its Euler step with the guidance on the device (runtime.euler_incremental: x stays there too)
+        # its Euler step with the guidance on the device (backends.tensorrt.euler_incremental: x stays there)
         profiles[INCREMENTAL_STEP_NAME] = step_profiles(profiles[INCREMENTAL_NAME], INCREMENTAL_STEP_NAME)
         steps.append(INCREMENTAL_STEP_NAME)
     write_profiles(profiles, engines_dir / PROFILES_NAME)
@@ -214,8 +213,8 @@ def _prepare_step_graph(
     engines_dir: Path, name: str, config: ModelConfig, precision: str, measure: bool, emit: Progress
 ) -> dict[str, Any]:
     """``<step>[.fp16].onnx``: the prepared estimator graph wrapped with guidance and the Euler update
-    (``builder.flow_step``), for the device-side solve (``runtime.euler.DeviceEulerLoop``)."""
-    from ...runtime.euler import STEP_GRAPHS
+    (``builder.flow_step``), for the device-side solve (``runtime.backends.tensorrt.euler.DeviceEulerLoop``)."""
+    from ...runtime.graphs import STEP_GRAPHS
     from ..flow_step import write_flow_step
 
     estimator = next(est for est, step in STEP_GRAPHS.items() if step.name == name)
@@ -302,7 +301,7 @@ def build_plans(
 
 def _plan_runner(path: Path, name: str, profiles: GraphProfiles) -> Any:
     """A one-slot ``TrtRunner`` over a freshly built plan, every input fed (the parity check)."""
-    from ..runtime.trt import TrtRunner
+    from ...runtime.backends.tensorrt.runner import TrtRunner
 
     return TrtRunner.from_plan(path, name, profiles, slots=1)
 

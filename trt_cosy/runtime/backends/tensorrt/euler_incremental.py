@@ -29,9 +29,9 @@ from typing import Final
 
 import numpy as np
 
+from .cuda import Event
 from .device_blocks import DeviceBlocks
 from .euler import DeviceEulerLoop, DeviceOutput
-from .cuda import Event
 
 __all__ = ["DeviceIncrementalLoop", "incremental_feed"]
 
@@ -95,7 +95,9 @@ class DeviceIncrementalLoop(DeviceEulerLoop):
         runner, frames = self.runner, int(feed["x"].shape[2])
         held = store.frames[0]
         if store.frames != [held] * self.steps or store.steps != self.steps:
-            raise ValueError(f"the store holds {store.frames} frames per step; the loop has {self.steps} steps")
+            raise ValueError(
+                f"the store holds {store.frames} frames per step; the loop has {self.steps} steps"
+            )
         stream = runner.stream(slot)
         for step in range(self.steps):  # before any launch: a growth moves the buffer (and waits)
             store.reserve(step, held + frames, stream)

@@ -2,8 +2,8 @@
 
 ``stages.flow.solve_euler`` runs the estimator once per step and updates x on the host: on
 TensorRT that is a device -> host -> device round trip and a stream synchronize per step. The
-``FLOW_STEP`` graph (``builder.flow_step.wrap_estimator_step``: estimator + guidance + Euler update)
-takes x [1, 80, F] and returns x_next, so ``DeviceEulerLoop`` can queue all n steps on one stream:
+``FLOW_STEP`` graph (``runtime.graphs``; ``builder.flow_step.wrap_estimator_step``: estimator +
+guidance + Euler update) takes x [1, 80, F] and returns x_next, so ``DeviceEulerLoop`` can queue all n steps on one stream:
 
 * mask, mu, spks, cond and the start noise x0 are copied to the device once per solve;
 * the (t, dt) schedule is uploaded once, at construction, into one device buffer; step k binds
@@ -26,14 +26,8 @@ from typing import Any, Final, Protocol
 import numpy as np
 
 from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream, bindings, cuda_call
-from .graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_INCREMENTAL, FLOW_ESTIMATOR_STREAM, GraphSpec, TensorSpec
 
 __all__ = [
-    "FLOW_STEP",
-    "FLOW_STEP_STREAM",
-    "FLOW_STEP_INCREMENTAL",
-    "STEP_GRAPHS",
-    "step_spec",
     "TIME_STRIDE",
     "step_schedule",
     "guidance_feed",
@@ -43,37 +37,6 @@ __all__ = [
 ]
 
 _LOGGER = logging.getLogger(__name__)
-
-
-def step_spec(estimator: GraphSpec, name: str) -> GraphSpec:
-    """The contract of one guided Euler step around ``estimator`` (``builder.flow_step``): x at batch
-    1, t [1] and dt [1] after it, the other inputs as they are; x_next [1, 80, frames] out, then the
-    estimator's other outputs (the incremental estimator's ``new_blocks`` / ``new_tails``)."""
-    inputs = []
-    for spec in estimator.inputs:
-        if spec.name == "x":
-            inputs.append(TensorSpec("x", "float32", (1, *spec.shape[1:])))
-        elif spec.name == "t":
-            inputs += [TensorSpec("t", "float32", (1,)), TensorSpec("dt", "float32", (1,))]
-        else:
-            inputs.append(spec)
-    velocity, *passed = estimator.outputs
-    x_next = TensorSpec("x_next", "float32", (1, *velocity.shape[1:]))
-    return GraphSpec(name, tuple(inputs), (x_next, *passed))
-
-
-# One guided Euler step around the estimator (full attention / 50-frame chunk attention).
-FLOW_STEP: Final = step_spec(FLOW_ESTIMATOR, "flow_step")
-FLOW_STEP_STREAM: Final = step_spec(FLOW_ESTIMATOR_STREAM, "flow_step_stream")
-# One guided Euler step of a streaming chunk over its new frames only (CosyVoice2 TensorRT engines):
-# x [1, 80, T], mu, t [1], dt [1], spks, cond, past_blocks, past_tails -> x_next, new_blocks, new_tails.
-FLOW_STEP_INCREMENTAL: Final = step_spec(FLOW_ESTIMATOR_INCREMENTAL, "flow_step_incremental")
-STEP_GRAPHS: Final = {
-    "flow_estimator": FLOW_STEP,
-    "flow_estimator_stream": FLOW_STEP_STREAM,
-    FLOW_ESTIMATOR_INCREMENTAL.name: FLOW_STEP_INCREMENTAL,
-}
-"""Estimator graph name -> the step graph wrapped around it."""
 
 # TensorRT wants every bound address 256-byte aligned (IExecutionContext::setTensorAddress), so the
 # schedule table gives each t and each dt its own 256-byte row: t_k at 2k rows, dt_k at 2k + 1.

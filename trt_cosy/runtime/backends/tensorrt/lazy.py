@@ -15,14 +15,14 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, Final
 
-from .euler import STEP_GRAPHS
-from .lazy import LazyRunner
-from .profiles import GraphProfiles
-from .trt import TrtRunner, checked_plans
+from ...graphs import STEP_GRAPHS
+from ...profiles import GraphProfiles
+from ..base import LazyRunner
+from .runner import TrtRunner, checked_plans
 
 __all__ = ["LazyTrtRunner", "deferred_plans", "load_plans"]
 
-PLAIN_ESTIMATORS: Final = frozenset(STEP_GRAPHS)  # flow_estimator, flow_estimator_stream
+PLAIN_ESTIMATORS: Final = frozenset(STEP_GRAPHS)  # flow_estimator(_stream), flow_estimator_incremental
 
 
 def deferred_plans(plans: Iterable[str], lazy_graphs: Collection[str]) -> frozenset[str]:
