@@ -54,7 +54,8 @@ STEPS = (
     Step("profiles", 80, True, "every plan at each profile's min/opt/max, switching, vs ORT, 2 threads"),
     Step("nan-kv", 30, True, "batched decode over KV slots poisoned with NaN equals each row alone"),
     Step("verify", 60, True, "trt-cosy verify --backend tensorrt on the golden tiny v2 and v3 sets"),
-    Step("timing", 30, True, "CPU enqueue vs GPU time: ms per decode step (B = 1, 4, 16) and per chunk"),
+    Step("timing", 40, True, "CPU enqueue vs GPU time: ms per decode step (B = 1, 4, 16) and per chunk, "
+         "CUDA graphs on and off"),
 )
 assert sum(step.budget_s for step in STEPS) <= 600, "the smoke run must fit 10 minutes"
 
@@ -70,6 +71,13 @@ def step_versions(work: Path) -> str:
 
     parts = [f"python {sys.version.split()[0]}", f"numpy {numpy.__version__}"]
     parts.append(f"trt-cosy {trt_cosy.__version__}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    for package in ("cuda-python", "cuda-bindings"):
+        try:
+            parts.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            pass
     reason = gpu_unavailable_reason()
     if reason is None:
         import tensorrt
@@ -106,7 +114,8 @@ def step_prepared(work: Path) -> str:
 
 
 def step_fakes(work: Path) -> str:
-    tests = ["tests/test_trt_device_counts.py", "tests/test_trt_plan_build.py", "tests/test_trt_packaging.py"]
+    tests = ["tests/test_trt_device_counts.py", "tests/test_trt_euler_graphs.py", "tests/test_trt_plan_build.py",
+             "tests/test_trt_packaging.py"]  # fmt: skip
     _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests])
     return f"{len(tests)} test files"
 
@@ -150,8 +159,32 @@ def _random_feed(shapes, dtypes, rng):
     return feed
 
 
-def step_profiles(work: Path) -> str:
+def _work_through(runner, reference, graph, where, tolerance, failures, seed, sequence) -> None:
+    """Run ``sequence`` of (profile, min/opt/max) feeds on ``runner`` and ``reference``; note each
+    output beyond ``tolerance`` (looser than the parity feeds': random inputs) or with NaN."""
     import numpy as np
+
+    rng = np.random.default_rng(seed)
+    dtypes = {n: spec[1] for n, spec in runner.input_specs().items()}
+    for index, which in sequence:
+        feed = _random_feed(_shapes_at(graph.profiles[index], which), dtypes, rng)
+        if graph.select({n: v.shape for n, v in feed.items()}) != index:
+            continue  # an earlier profile takes these shapes; it is checked there
+        got, want = runner.infer(feed), reference.infer(feed)
+        for output, value in want.items():
+            if not np.isfinite(value).all():
+                continue  # random data the fp32 graph itself overflows on: nothing to compare
+            at = f"{where} {graph.profiles[index].name}[{which}] {output}"
+            if not np.isfinite(got[output]).all():
+                failures.append(f"{at}: NaN")
+                continue
+            scale = max(1.0, float(np.abs(value).max()))
+            error = float(np.abs(got[output].astype(np.float64) - value).max()) / scale
+            if error > tolerance:
+                failures.append(f"{at}: {error:.2e}")
+
+
+def step_profiles(work: Path) -> str:
 
     from trt_cosy.builder.trt.parity import PLAN_TOLERANCES
     from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
@@ -170,30 +203,10 @@ def step_profiles(work: Path) -> str:
             fp32 = engines / f"{name}.onnx"  # left out by --prepare where an fp16 twin exists
             graph_file = fp32 if fp32.is_file() else engines / f"{name}.fp16.onnx"
             reference = OrtRunner.from_path(graph_file, name, threads=2, exported=True)
-            dtypes = {n: spec[1] for n, spec in runner.input_specs().items()}
             order = [(p, w) for p in range(len(graph.profiles)) for w in range(3)]  # min/opt/max of each
-
-            def work_through(seed: int, sequence) -> None:
-                rng = np.random.default_rng(seed)
-                for index, which in sequence:
-                    feed = _random_feed(_shapes_at(graph.profiles[index], which), dtypes, rng)
-                    if graph.select({n: v.shape for n, v in feed.items()}) != index:
-                        continue  # an earlier profile takes these shapes; it is checked there
-                    got, want = runner.infer(feed), reference.infer(feed)
-                    for output, value in want.items():
-                        if not np.isfinite(value).all():
-                            continue  # random data the fp32 graph itself overflows on: nothing to compare
-                        where = f"{family}/{name} {graph.profiles[index].name}[{which}] {output}"
-                        if not np.isfinite(got[output]).all():
-                            failures.append(f"{where}: NaN")
-                            continue
-                        scale = max(1.0, float(np.abs(value).max()))
-                        error = float(np.abs(got[output].astype(np.float64) - value).max()) / scale
-                        if error > 10 * tolerance:  # random inputs: looser than the parity feeds
-                            failures.append(f"{where}: {error:.2e}")
-
             sequences = ((0, order + order[::-1]), (1, order[::-1] + order))  # back and forth, both slots
-            threads = [threading.Thread(target=work_through, args=sequence) for sequence in sequences]
+            check = (runner, reference, graph, f"{family}/{name}", 10 * tolerance, failures)  # random feeds
+            threads = [threading.Thread(target=_work_through, args=(*check, *sequence)) for sequence in sequences]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -334,8 +347,60 @@ def step_timing(work: Path) -> str:
         lines.append(
             f"Euler chunk (10 steps, {frames} frames): {enqueue_ms:.2f} ms CPU enqueue, {gpu_ms:.2f} ms GPU"
         )
+    lines += _time_incremental(engines, profiles)
     print("\n".join(lines))
     return "; ".join(lines)
+
+
+def _time_incremental(engines: Path, profiles) -> list[str]:
+    """ms per incremental chunk (50 new frames after 0..150 cached ones) through the step plan, with the
+    steps' CUDA graphs on and off: CPU enqueue, GPU time, and how the graphs were used."""
+    import numpy as np
+
+    from trt_cosy.runtime.backends.tensorrt.cuda import Event
+    from trt_cosy.runtime.backends.tensorrt.device_blocks import DeviceBlocks
+    from trt_cosy.runtime.backends.tensorrt.euler import step_schedule
+    from trt_cosy.runtime.backends.tensorrt.euler_incremental import DeviceIncrementalLoop, incremental_feed
+    from trt_cosy.runtime.backends.tensorrt.runner import BOUND_INPUTS, TrtRunner
+    from trt_cosy.stages.flow import cosine_t_span
+
+    name = "flow_step_incremental"
+    if name not in profiles:
+        return [f"{name}: not in these engines"]
+    runner = TrtRunner.from_plan(engines / "plans" / f"{name}.plan", name, profiles[name],
+                                 external=BOUND_INPUTS[name])  # fmt: skip
+    (_, layers, _, width), (_, channels, tail) = (profiles[name].max_shapes()[n] for n in ("past_blocks", "past_tails"))
+    rng, frames, lines = np.random.default_rng(1), 50, []
+    start, stop = Event(timing=True), Event(timing=True)
+    for graphs in (True, False):
+        loop = DeviceIncrementalLoop(runner, step_schedule(cosine_t_span(10)), graphs=graphs)
+        enqueue, gpu = [], []
+        for segment in range(2):  # the first segment warms up (profiles, captures)
+            store = DeviceBlocks(10, layers * 2 * width * 4, 2 * channels * tail * 4)
+            store.upload_tails(np.zeros((10, 2, channels, tail), np.float32), runner.stream(0))
+            for _ in range(4):
+                wide = rng.standard_normal((1, 80, frames)).astype(np.float32)
+                feed = incremental_feed(wide, wide, wide[:, :, 0], wide)
+                with runner.slot() as slot:
+                    began = time.perf_counter()
+                    start.record(runner.stream(slot))
+                    out = loop.enqueue_chunk(store, feed, slot)
+                    queued = (time.perf_counter() - began) * 1e3
+                    stop.record(runner.stream(slot))
+                    out.event.synchronize()
+                    stop.synchronize()
+                if segment:
+                    enqueue.append(queued)
+                    gpu.append(stop.elapsed_ms(start))
+            store.free()
+        loop.free()
+        lines.append(
+            f"incremental chunk ({frames} new frames, 0-150 cached, graphs {'on' if graphs else 'off'}): "
+            f"{np.median(enqueue):.2f} ms CPU enqueue, {np.median(gpu):.2f} ms GPU"
+        )
+    lines.append(f"{name} launches: {runner.graph_counts}")
+    runner.free()
+    return lines
 
 
 STEP_FUNCTIONS: dict[str, Callable[[Path], str]] = {

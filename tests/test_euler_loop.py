@@ -190,7 +190,7 @@ def test_step_profiles_keep_the_estimator_ranges(v2_tiny_dir):
 @pytest.mark.parametrize(("steps", "frames"), [(10, 20), (3, 40)])  # even/odd steps, both profiles
 def test_device_loop_reproduces_solve_euler_without_host_syncs(fake_cuda, step_runner, steps, frames):
     schedule = step_schedule(cosine_t_span(steps))
-    with DeviceEulerLoop(step_runner, schedule) as loop:
+    with DeviceEulerLoop(step_runner, schedule, graphs=False) as loop:
         _check_solves(fake_cuda, loop, schedule, frames)
 
 
@@ -221,7 +221,7 @@ def _check_solves(fake_cuda, loop: DeviceEulerLoop, schedule: np.ndarray, frames
 
 def test_device_loop_uploads_the_schedule_once_and_hands_off_with_an_event(fake_cuda, step_runner):
     steps, frames = 5, 12
-    with DeviceEulerLoop(step_runner, step_schedule(cosine_t_span(steps))) as loop, cuda.Event() as upstream:
+    with DeviceEulerLoop(step_runner, step_schedule(cosine_t_span(steps)), graphs=False) as loop, cuda.Event() as upstream:
         h2d = [c for c in fake_cuda.calls if c[0] == "copy" and c[1] == 1]
         assert len(h2d) == 1 and h2d[0][2] == 2 * steps * TIME_STRIDE, h2d  # one upload of the whole table
         inputs = _inputs(frames, seed=3)
@@ -360,7 +360,7 @@ def test_flow_stage_uses_the_device_loop_and_matches_the_host_loop(fake_cuda, st
         streaming=False,
         finalize=True,
     )
-    loops = device_euler_loops({"flow_step": step_runner}, config)
+    loops = device_euler_loops({"flow_step": step_runner}, config, graphs=False)
     assert set(loops) == {False}, loops  # only the plans that exist get a loop
     host = FlowStage(_FakeEncoder(), _NumpyEstimator(), _NumpyEstimator(), noise, config)
     device = FlowStage(_FakeEncoder(), None, None, noise, config, step_loops=loops)
@@ -383,7 +383,7 @@ def test_chained_solves_never_overwrite_pinned_staging_in_flight(fake_cuda, step
     steps, frames = 3, 12
     inputs = _inputs(frames, seed=4)
     feed = guidance_feed(inputs["noise"], inputs["mu"], inputs["mask"], inputs["spks"], inputs["cond"])
-    with DeviceEulerLoop(step_runner, step_schedule(cosine_t_span(steps))) as loop:
+    with DeviceEulerLoop(step_runner, step_schedule(cosine_t_span(steps)), graphs=False) as loop:
         with step_runner.slot() as slot:
             fake_cuda.calls.clear()
             loop.enqueue(feed, slot)
@@ -416,7 +416,7 @@ def test_a_solve_moves_the_same_bytes_whatever_its_step_count(monkeypatch):
     profiles = step_profiles(_estimator_profiles(), "flow_step")
     for steps in (3, 10):
         with TrtRunner(_step_engine([], profiles, slots=1), "flow_step", profiles, trt=FAKE_TRT) as runner:
-            with DeviceEulerLoop(runner, step_schedule(cosine_t_span(steps))) as loop:
+            with DeviceEulerLoop(runner, step_schedule(cosine_t_span(steps)), graphs=False) as loop:
                 loop.run(feed)  # the first solve selects the profile
                 mark = counting.mark()
                 loop.run(feed)

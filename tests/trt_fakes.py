@@ -17,6 +17,10 @@ include/NvInferRuntime.h):
   one the profile was switched on (unsynchronised streams), or, for ``USER_MANAGED`` contexts, when
   the activation memory given with ``set_device_memory`` is smaller than the profile needs.
 * ``is_shape_inference_io`` and ``get_tensor_profile_shape`` answer from the engine's data.
+* ``execute_async_v3`` on a capturing stream returns False when no launch ran outside a capture since
+  the last shape change or profile switch (pessimistic: trtexec, ``samples/common/sampleInference.cpp``,
+  enqueues once before every capture "to avoid capturing initialization calls", and says that an
+  enqueue under capture "may return false"); the capture is then invalidated, as CUDA does.
 
 "Device" memory is host memory (``aligned_block``) so that outputs can be computed with numpy.
 ``CountingCuda`` (below) is a pessimistic ``cuda.bindings.runtime``: it counts host<->device bytes
@@ -75,6 +79,7 @@ class FakeContext:
         self.addresses: dict[str, int] = {}
         self.memory: tuple[int, int] | None = None
         self.calls: list[tuple] = []
+        self.fresh = True  # shapes changed since the last launch outside a capture
 
     def set_optimization_profile_async(self, index: int, stream: int) -> bool:
         self.calls.append(("profile", index))
@@ -88,6 +93,7 @@ class FakeContext:
         engine.selected[index] = weakref.ref(self)
         self.profile, self.profile_stream = index, stream
         self.shapes, self.addresses, self.memory = {}, {}, None
+        self.fresh = True
         return True
 
     def set_input_shape(self, name: str, shape: Sequence[int]) -> bool:
@@ -98,6 +104,7 @@ class FakeContext:
         if not fits or (self.engine.reject_max and shape == tuple(high)):
             self.shapes.pop(name, None)
             return False
+        self.fresh = self.fresh or self.shapes.get(name) != shape
         self.shapes[name] = shape
         return True
 
@@ -132,10 +139,16 @@ class FakeContext:
             self.memory is None or self.memory[1] < engine.workspace(self.profile)
         ):
             failure = f"activation memory {self.memory} < {engine.workspace(self.profile)}"
+        capturing = getattr(cuda._BINDINGS, "is_capturing", lambda stream: False)(stream_handle)
+        if failure is None and capturing and self.fresh:
+            cuda._BINDINGS.invalidate(stream_handle)  # the capture cannot be ended into a graph
+            self.calls.append(("execute", "captured before a launch after the shape change"))
+            return False  # a refusal of TensorRT's, not a misuse: not in engine.failures
         self.calls.append(("execute", failure))
         engine.failures.extend([failure] if failure else [])
         if failure:
             return False
+        self.fresh = self.fresh and capturing
         launch = getattr(cuda._BINDINGS, "launch", None)  # CountingCuda: recorded while capturing
         if launch is None:
             self.run(stream_handle)
@@ -242,9 +255,14 @@ class CountingCuda:
     * ``bytes``: bytes moved per direction ("to_device", "to_host", "device"), 1-D and 3-D copies;
     * ``synchronizes``: host waits (stream and event synchronize);
     * ``events_done``: what ``cudaEventQuery`` answers (False: pessimistic, work still in flight);
-    * CUDA graph capture (``cudaStreamBeginCapture`` ... ``cudaGraphLaunch``): launches made while a
-      stream captures are recorded, not run, and run on every replay; a host copy or a synchronize on
-      a capturing stream fails, as on a GPU (``cudaErrorStreamCaptureUnsupported``).
+    * CUDA graph capture (``cudaStreamBeginCapture`` ... ``cudaGraphLaunch``): launches and device
+      copies made while a stream captures are recorded, not run, and run on every replay (their bytes
+      are counted when they run, so a replayed copy costs what a plain one does); a host copy or a
+      synchronize on a capturing stream fails (``cudaErrorStreamCaptureUnsupported``); an invalidated
+      capture ends with ``cudaErrorStreamCaptureInvalidated`` and no graph; ``cudaGraphExecUpdate``
+      takes a new graph only when its recorded work has the same kinds in the same order (topology),
+      else answers ``cudaErrorGraphExecUpdateFailure`` (the caller instantiates anew);
+    * ``instantiations``, ``updates``, ``replays``: what the graph calls cost.
 
     ``mark()`` returns a snapshot; ``since(mark)`` the counts after it.
     """
@@ -254,6 +272,8 @@ class CountingCuda:
         cudaErrorMemoryAllocation = 2
         cudaErrorNotReady = 600
         cudaErrorStreamCaptureUnsupported = 900
+        cudaErrorStreamCaptureInvalidated = 901
+        cudaErrorGraphExecUpdateFailure = 910
 
     cudaStreamNonBlocking, cudaEventDisableTiming, cudaEventDefault = 1, 2, 0
     cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3)
@@ -269,9 +289,10 @@ class CountingCuda:
         self.synchronizes = 0
         self.events_done = True
         self.handles = 1000
-        self.capturing: dict[int, list[Callable[[], None]]] = {}  # stream -> recorded work
-        self.graphs: dict[int, list[Callable[[], None]]] = {}
-        self.replays = 0
+        self.capturing: dict[int, list[tuple[str, Callable[[], None]]]] = {}  # stream -> (kind, work)
+        self.invalidated: set[int] = set()  # capturing streams whose capture cannot end in a graph
+        self.graphs: dict[int, list[tuple[str, Callable[[], None]]]] = {}
+        self.replays = self.instantiations = self.updates = 0
 
     # memory
     def _handle(self) -> tuple[int, int]:
@@ -291,12 +312,18 @@ class CountingCuda:
 
     def _copy(self, stream, kind, count, work):
         if kind != 3 and stream in self.capturing:  # host copies are not captured in this project
+            self.invalidated.add(stream)
             return (self.cudaError_t.cudaErrorStreamCaptureUnsupported,)
-        if stream in self.capturing:
-            self.capturing[stream].append(work)
-        else:
+        direction = self._DIRECTIONS[int(kind)]
+
+        def counted() -> None:  # bytes move when the copy runs (a replay moves them again)
             work()
-        self.bytes[self._DIRECTIONS[int(kind)]] += int(count)
+            self.bytes[direction] += int(count)
+
+        if stream in self.capturing:
+            self.capturing[stream].append(("copy", counted))
+        else:
+            counted()
         return self.OK
 
     def cudaMemcpyAsync(self, dst, src, count, kind, stream):
@@ -342,6 +369,7 @@ class CountingCuda:
 
     def cudaStreamSynchronize(self, stream):
         if stream in self.capturing:
+            self.invalidated.add(stream)
             return (self.cudaError_t.cudaErrorStreamCaptureUnsupported,)
         self.synchronizes += 1
         self.calls.append(("synchronize", stream))
@@ -379,19 +407,35 @@ class CountingCuda:
     def cudaStreamEndCapture(self, stream):
         self.calls.append(("end_capture", stream))
         work = self.capturing.pop(stream)
+        if stream in self.invalidated:
+            self.invalidated.discard(stream)
+            return (self.cudaError_t.cudaErrorStreamCaptureInvalidated, None)
         handle = self._handle()[1]
         self.graphs[handle] = work
         return (0, handle)
 
+    def cudaGetLastError(self):
+        return self.OK
+
     def cudaGraphInstantiate(self, graph, flags):
+        self.instantiations += 1
         executable = self._handle()[1]
-        self.graphs[executable] = self.graphs[graph]
+        self.graphs[executable] = list(self.graphs[graph])
         return (0, executable)
+
+    def cudaGraphExecUpdate(self, executable, graph):
+        self.calls.append(("graph_update", executable, graph))
+        old, new = self.graphs[executable], self.graphs[graph]
+        if [kind for kind, _ in old] != [kind for kind, _ in new]:
+            return (self.cudaError_t.cudaErrorGraphExecUpdateFailure, None)
+        self.updates += 1
+        self.graphs[executable] = list(new)
+        return (0, SimpleNamespace(result=0))
 
     def cudaGraphLaunch(self, executable, stream):
         self.calls.append(("graph_launch", executable, stream))
         self.replays += 1
-        for work in self.graphs[executable]:
+        for _, work in self.graphs[executable]:
             work()
         return self.OK
 
@@ -404,9 +448,16 @@ class CountingCuda:
     def launch(self, stream: Any, work: Callable[[], None]) -> None:
         """A kernel launch on ``stream`` (the fake contexts call this): recorded while capturing."""
         if stream in self.capturing:
-            self.capturing[stream].append(work)
+            self.capturing[stream].append(("kernel", work))
         else:
             work()
+
+    def is_capturing(self, stream: Any) -> bool:
+        return stream in self.capturing
+
+    def invalidate(self, stream: Any) -> None:
+        """A failed operation in a capture: ending it gives no graph (``cudaErrorStreamCaptureInvalidated``)."""
+        self.invalidated.add(stream)
 
     def mark(self) -> dict[str, int]:
         return {**self.bytes, "synchronizes": self.synchronizes}

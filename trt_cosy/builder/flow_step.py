@@ -7,7 +7,11 @@ trip. The step graph moves the per-step host work into the graph:
     v      = estimator(concat(x, x), mask, mu, expand(t, 2), spks, cond)   # [2, 80, F]
     x_next = x + dt * ((1 + cfg) * v[0] - cfg * v[1])                      # [1, 80, F]
 
-so ``runtime.backends.tensorrt.euler.DeviceEulerLoop`` can chain the n steps on one stream. The added nodes compute
+so ``runtime.backends.tensorrt.euler.DeviceEulerLoop`` can chain the n steps on one stream. The incremental
+streaming estimator (``FLOW_ESTIMATOR_INCREMENTAL``: no mask, the cached ``past_blocks`` / ``past_tails``
+in and ``new_blocks`` / ``new_tails`` out) is wrapped the same way into ``FLOW_STEP_INCREMENTAL``: its
+other inputs and outputs pass through, so ``runtime.backends.tensorrt.euler_incremental.DeviceIncrementalLoop``
+keeps x, the velocity and the cache on the device for a whole chunk. The added nodes compute
 in float32 in the order ``solve_euler`` does (``guided * v0 - unguided * v1``, then ``x + dt * v``),
 so both loops agree to float32 rounding. The estimator may be the fp32 export or the fp16 graph of
 ``builder.quantize.precision`` (its I/O stays float32 by default; fp16 I/O gets Casts at the border). Its
@@ -26,7 +30,7 @@ import onnx.compose
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrtCosyError
-from ..runtime.graphs import FLOW_ESTIMATOR, FLOW_STEP
+from ..runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_INCREMENTAL, STEP_GRAPHS, GraphSpec
 from .onnx.files import save_onnx
 
 __all__ = ["ESTIMATOR_PREFIX", "wrap_estimator_step", "write_flow_step"]
@@ -38,26 +42,31 @@ _STEP: Final = "flow_step/"  # prefix of the wrapper's own nodes and tensors
 
 
 def wrap_estimator_step(model: onnx.ModelProto, cfg_rate: float) -> onnx.ModelProto:
-    """Turn an estimator graph (``FLOW_ESTIMATOR`` contract) into a ``FLOW_STEP`` graph.
+    """Turn an estimator graph into its step graph (``runtime.graphs.STEP_GRAPHS``).
 
     Args:
-        model: the estimator, fp32 export or fp16 graph (not modified).
+        model: the estimator, fp32 export or fp16 graph (not modified): the ``FLOW_ESTIMATOR``
+            contract (either attention) or ``FLOW_ESTIMATOR_INCREMENTAL``'s.
         cfg_rate: the classifier-free guidance rate (``cfm.inference_cfg_rate``, 0.7).
 
     Returns:
-        A new model: inputs x [1, 80, F], mask [2, 1, F], mu [2, 80, F], t [1], dt [1],
-        spks [2, 80], cond [2, 80, F]; output x_next [1, 80, F]; all float32. Checked by
-        ``onnx.checker`` (weights kept in external files are not read).
+        A new model, all float32: ``FLOW_STEP``: inputs x [1, 80, F], mask [2, 1, F], mu [2, 80, F],
+        t [1], dt [1], spks [2, 80], cond [2, 80, F]; output x_next [1, 80, F].
+        ``FLOW_STEP_INCREMENTAL``: x [1, 80, T], mu, t [1], dt [1], spks, cond, past_blocks,
+        past_tails in; x_next [1, 80, T], new_blocks, new_tails out (the estimator's, passed through).
+        Checked by ``onnx.checker`` (weights kept in external files are not read).
     """
-    _check_estimator(model)
+    contract = _estimator_contract(model)
+    step = STEP_GRAPHS[contract.name]
     inner = onnx.compose.add_prefix(model, ESTIMATOR_PREFIX)  # a copy: nodes, edges, I/O, functions
     io = {v.name.removeprefix(ESTIMATOR_PREFIX): v for v in (*inner.graph.input, *inner.graph.output)}
-    nodes, constants = _wrapper_nodes(io, cfg_rate)
+    nodes, constants = _wrapper_nodes(io, cfg_rate, contract)
+    passed = contract.output_names[1:]  # new_blocks, new_tails of the incremental estimator
     graph = helper.make_graph(
         [*nodes[0], *inner.graph.node, *nodes[1]],
-        "flow_step",
-        _step_inputs(io),
-        [_float_info("x_next", io["x"], batch=1)],
+        step.name,
+        _step_inputs(io, step),
+        [_float_info("x_next", io["x"], batch=1), *(_float_info(name, io[name]) for name in passed)],
         [*constants, *inner.graph.initializer],
         # the estimator's former I/O become inner tensors: keep their types and shapes
         value_info=[*inner.graph.value_info, *inner.graph.input, *inner.graph.output],
@@ -86,19 +95,24 @@ def write_flow_step(estimator_path: Path, out_path: Path, cfg_rate: float) -> Pa
     return out_path
 
 
-def _check_estimator(model: onnx.ModelProto) -> None:
+def _estimator_contract(model: onnx.ModelProto) -> GraphSpec:
+    """The estimator contract ``model``'s I/O follows (``FLOW_ESTIMATOR`` or the incremental one)."""
     inputs = tuple(v.name for v in model.graph.input)
     outputs = tuple(v.name for v in model.graph.output)
-    if set(inputs) != set(FLOW_ESTIMATOR.input_names) or outputs != FLOW_ESTIMATOR.output_names:
-        raise TrtCosyError(
-            f"not an estimator graph: inputs {inputs}, outputs {outputs}; the flow step wraps the "
-            f"'{FLOW_ESTIMATOR.name}' contract {FLOW_ESTIMATOR.input_names} -> {FLOW_ESTIMATOR.output_names}. "
-            "Pass flow_estimator(.fp16).onnx or flow_estimator_stream(.fp16).onnx."
-        )
+    for contract in (FLOW_ESTIMATOR, FLOW_ESTIMATOR_INCREMENTAL):
+        if set(inputs) == set(contract.input_names) and outputs == contract.output_names:
+            return contract
+    raise TrtCosyError(
+        f"not an estimator graph: inputs {inputs}, outputs {outputs}; the flow step wraps the "
+        f"'{FLOW_ESTIMATOR.name}' contract {FLOW_ESTIMATOR.input_names} -> {FLOW_ESTIMATOR.output_names} "
+        f"or the incremental one {FLOW_ESTIMATOR_INCREMENTAL.input_names} -> "
+        f"{FLOW_ESTIMATOR_INCREMENTAL.output_names}. Pass flow_estimator(_stream)(.fp16).onnx or "
+        "flow_estimator_incremental(.fp16).onnx."
+    )
 
 
 def _wrapper_nodes(
-    io: dict[str, onnx.ValueInfoProto], cfg_rate: float
+    io: dict[str, onnx.ValueInfoProto], cfg_rate: float, contract: GraphSpec
 ) -> tuple[tuple[list[onnx.NodeProto], list[onnx.NodeProto]], list[onnx.TensorProto]]:
     """(nodes before the estimator, nodes after it) and the wrapper's constants."""
     guided, unguided = np.float32(1.0 + cfg_rate), np.float32(cfg_rate)  # as solve_euler rounds them
@@ -114,9 +128,9 @@ def _wrapper_nodes(
         node("Expand", ["t", _STEP + "pair_shape"], [_STEP + "t_pair"], name=_STEP + "t_pair"),  # [2]
     ]
     sources = {"x": _STEP + "x_pair", "t": _STEP + "t_pair"}
-    for name in FLOW_ESTIMATOR.input_names:
+    for name in contract.input_names:
         before.append(_convert(sources.get(name, name), ESTIMATOR_PREFIX + name, _elem_type(io[name])))
-    out = FLOW_ESTIMATOR.output_names[0]
+    out = contract.output_names[0]
     velocity = _STEP + "velocity"  # [2, 80, F] float32
     after = [
         _convert(ESTIMATOR_PREFIX + out, velocity, TensorProto.FLOAT, _elem_type(io[out])),
@@ -140,6 +154,8 @@ def _wrapper_nodes(
         node("Mul", ["dt", _STEP + "v"], [_STEP + "dx"], name=_STEP + "mul_dt"),  # [1, 80, F]
         node("Add", ["x", _STEP + "dx"], ["x_next"], name=_STEP + "update"),  # [1, 80, F]
     ]
+    for name in contract.output_names[1:]:  # the incremental estimator's cache outputs, as float32
+        after.append(_convert(ESTIMATOR_PREFIX + name, name, TensorProto.FLOAT, _elem_type(io[name])))
     return (before, after), constants
 
 
@@ -164,11 +180,11 @@ def _float_info(name: str, like: onnx.ValueInfoProto, batch: int | None = None) 
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
 
 
-def _step_inputs(io: dict[str, onnx.ValueInfoProto]) -> list[onnx.ValueInfoProto]:
-    """The ``FLOW_STEP`` inputs, in contract order, with the estimator's dims."""
+def _step_inputs(io: dict[str, onnx.ValueInfoProto], step: GraphSpec) -> list[onnx.ValueInfoProto]:
+    """The step graph's inputs, in contract order, with the estimator's dims."""
     special = {
         "x": _float_info("x", io["x"], batch=1),  # [1, 80, F]
         "t": helper.make_tensor_value_info("t", TensorProto.FLOAT, [1]),
         "dt": helper.make_tensor_value_info("dt", TensorProto.FLOAT, [1]),
     }
-    return [special.get(name) or _float_info(name, io[name]) for name in FLOW_STEP.input_names]
+    return [special.get(name) or _float_info(name, io[name]) for name in step.input_names]

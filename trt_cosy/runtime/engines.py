@@ -249,7 +249,8 @@ def _check_trt_graphs(engines_dir: Path, family: str) -> None:
     from .llm_decode import LLM_DECODE_NAME
     from .profiles import PROFILES_NAME, read_profiles, trt_graph_specs
 
-    optional = {LLM_DECODE_NAME, graphs.FLOW_ESTIMATOR_INCREMENTAL.name}  # batched decode, incremental flow
+    # batched decode, incremental flow (and its device Euler step)
+    optional = {LLM_DECODE_NAME, graphs.FLOW_ESTIMATOR_INCREMENTAL.name, graphs.FLOW_STEP_INCREMENTAL.name}
     named = set(read_profiles(engines_dir / PROFILES_NAME)) - optional
     expected = set(trt_graph_specs(family_named(family)))  # the exported graphs plus the flow step graphs (v2/v3)
     if named != expected:

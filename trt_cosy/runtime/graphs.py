@@ -23,7 +23,9 @@ __all__ = [
     "HIFT",
     "FLOW_STEP",
     "FLOW_STEP_STREAM",
+    "FLOW_STEP_INCREMENTAL",
     "STEP_GRAPHS",
+    "step_spec",
     "incremental_estimator_spec",
 ]
 
@@ -169,20 +171,36 @@ HIFT: Final = GraphSpec(
 GRAPHS: Final = {g.name: g for g in (LLM, FLOW_ENCODER, FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, HIFT)}
 
 # The estimator wrapped into one guided Euler step (``builder.flow_step``), for TensorRT's device
-# Euler loop (``backends.tensorrt.euler``).
-_STEP_INPUTS: Final = (
-    TensorSpec("x", "float32", (1, 80, "F")),
-    TensorSpec("mask", "float32", (2, 1, "F")),
-    TensorSpec("mu", "float32", (2, 80, "F")),
-    TensorSpec("t", "float32", (1,)),
-    TensorSpec("dt", "float32", (1,)),
-    TensorSpec("spks", "float32", (2, 80)),
-    TensorSpec("cond", "float32", (2, 80, "F")),
-)
-_STEP_OUTPUTS: Final = (TensorSpec("x_next", "float32", (1, 80, "F")),)
+# Euler loops (``backends.tensorrt.euler``, ``backends.tensorrt.euler_incremental``).
 
-# One guided Euler step around the estimator (full attention / 50-frame chunk attention).
-FLOW_STEP: Final = GraphSpec("flow_step", _STEP_INPUTS, _STEP_OUTPUTS)
-FLOW_STEP_STREAM: Final = GraphSpec("flow_step_stream", _STEP_INPUTS, _STEP_OUTPUTS)
-STEP_GRAPHS: Final = {"flow_estimator": FLOW_STEP, "flow_estimator_stream": FLOW_STEP_STREAM}
+
+def step_spec(estimator: GraphSpec, name: str) -> GraphSpec:
+    """The contract of one guided Euler step around ``estimator``: x at batch 1, t [1] and dt [1]
+    after it, the other inputs as they are; x_next [1, 80, frames] out, then the estimator's other
+    outputs (the incremental estimator's ``new_blocks`` / ``new_tails``)."""
+    inputs: list[TensorSpec] = []
+    for spec in estimator.inputs:
+        if spec.name == "x":
+            inputs.append(TensorSpec("x", "float32", (1, *spec.shape[1:])))
+        elif spec.name == "t":
+            inputs += [TensorSpec("t", "float32", (1,)), TensorSpec("dt", "float32", (1,))]
+        else:
+            inputs.append(spec)
+    velocity, *passed = estimator.outputs
+    x_next = TensorSpec("x_next", "float32", (1, *velocity.shape[1:]))
+    return GraphSpec(name, tuple(inputs), (x_next, *passed))
+
+
+# One guided Euler step around the estimator (full attention / 50-frame chunk attention): x [1, 80, F],
+# mask, mu, t [1], dt [1], spks, cond -> x_next [1, 80, F].
+FLOW_STEP: Final = step_spec(FLOW_ESTIMATOR, "flow_step")
+FLOW_STEP_STREAM: Final = step_spec(FLOW_ESTIMATOR_STREAM, "flow_step_stream")
+# One guided Euler step of a streaming chunk over its new frames only (CosyVoice2 TensorRT engines):
+# x [1, 80, T], mu, t [1], dt [1], spks, cond, past_blocks, past_tails -> x_next, new_blocks, new_tails.
+FLOW_STEP_INCREMENTAL: Final = step_spec(FLOW_ESTIMATOR_INCREMENTAL, "flow_step_incremental")
+STEP_GRAPHS: Final = {
+    FLOW_ESTIMATOR.name: FLOW_STEP,
+    FLOW_ESTIMATOR_STREAM.name: FLOW_STEP_STREAM,
+    FLOW_ESTIMATOR_INCREMENTAL.name: FLOW_STEP_INCREMENTAL,
+}
 """Estimator graph name -> the step graph wrapped around it."""

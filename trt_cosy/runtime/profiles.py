@@ -20,7 +20,7 @@ from typing import Any, Final, Protocol
 
 from ..config import HiFTConfig, ModelConfig
 from ..errors import EngineMismatchError, InputError
-from .graphs import FLOW_STEP, STEP_GRAPHS, GraphSpec
+from .graphs import STEP_GRAPHS, GraphSpec
 
 __all__ = [
     "PROFILES_NAME",
@@ -404,13 +404,15 @@ def default_profiles(
 
 
 def step_profiles(estimator: GraphProfiles, name: str) -> GraphProfiles:
-    """The step graph ``name``'s profiles from the estimator's: same F ranges, x at batch 1, t and dt [1]."""
+    """The step graph ``name``'s profiles from the estimator's: same frame (and cache) ranges, x at
+    batch 1, t and dt [1]."""
+    step = next(spec for spec in STEP_GRAPHS.values() if spec.name == name)
     profiles = []
     for profile in estimator.profiles:
         shapes = dict(profile.shapes)
         shapes["x"] = tuple((1, *shape[1:]) for shape in profile.shapes["x"])  # [1, 80, F]
         shapes["t"] = shapes["dt"] = ((1,),) * 3
-        profiles.append(ShapeProfile(profile.name, {n: shapes[n] for n in FLOW_STEP.input_names}))
+        profiles.append(ShapeProfile(profile.name, {n: shapes[n] for n in step.input_names}))
     return GraphProfiles(name, tuple(profiles))
 
 

@@ -23,7 +23,8 @@ from ..config import FlowConfig
 from ..errors import InputError
 from ..runtime.backends.base import Runner
 from ..runtime.backends.tensorrt.euler import DeviceEulerLoop, guidance_feed, step_schedule
-from ..runtime.graphs import FLOW_STEP, FLOW_STEP_STREAM
+from ..runtime.backends.tensorrt.euler_incremental import DeviceIncrementalLoop
+from ..runtime.graphs import FLOW_STEP, FLOW_STEP_INCREMENTAL, FLOW_STEP_STREAM
 from .flow_incremental import (
     DEFAULT_LIMIT_BYTES,
     DEFAULT_VOICE_SLOTS,
@@ -33,7 +34,14 @@ from .flow_incremental import (
     solve_euler_incremental,
 )
 
-__all__ = ["FlowOutput", "FlowStage", "cosine_t_span", "solve_euler", "device_euler_loops"]
+__all__ = [
+    "FlowOutput",
+    "FlowStage",
+    "cosine_t_span",
+    "solve_euler",
+    "device_euler_loops",
+    "device_incremental_loop",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -117,18 +125,30 @@ def solve_euler(
     return x.astype(np.float32, copy=False)
 
 
-def device_euler_loops(runners: Mapping[str, Runner], config: FlowConfig) -> dict[bool, DeviceEulerLoop]:
+def device_euler_loops(
+    runners: Mapping[str, Runner], config: FlowConfig, graphs: bool = True
+) -> dict[bool, DeviceEulerLoop]:
     """``{streaming: DeviceEulerLoop}`` for the step graphs among ``runners`` (TensorRT plans of
-    ``flow_step`` / ``flow_step_stream``); empty when there are none (ONNX Runtime, torch)."""
+    ``flow_step`` / ``flow_step_stream``); empty when there are none (ONNX Runtime, torch).
+    ``graphs``: the steps launch through CUDA graphs (``DeviceEulerLoop``)."""
     names = {False: FLOW_STEP.name, True: FLOW_STEP_STREAM.name}
     if not any(name in runners for name in names.values()):
         return {}
     schedule = step_schedule(cosine_t_span(config.cfm.n_timesteps))  # [n, 2] (t, dt)
     return {
-        streaming: DeviceEulerLoop(runners[name], schedule)
+        streaming: DeviceEulerLoop(runners[name], schedule, graphs)
         for streaming, name in names.items()
         if name in runners
     }
+
+
+def device_incremental_loop(runners: Mapping[str, Runner], config: FlowConfig) -> DeviceIncrementalLoop | None:
+    """The device Euler loop of incremental chunks over the ``flow_step_incremental`` plan among
+    ``runners`` (CosyVoice2 TensorRT engines), or None where there is none."""
+    runner = runners.get(FLOW_STEP_INCREMENTAL.name)
+    if runner is None:
+        return None
+    return DeviceIncrementalLoop(runner, step_schedule(cosine_t_span(config.cfm.n_timesteps)))
 
 
 def _infer(runner: Runner, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -149,6 +169,9 @@ class FlowStage:
             host loop; the guidance rate and step count are baked into the step graphs and schedule.
         incremental_runner: optional ``FLOW_ESTIMATOR_INCREMENTAL`` contract: streaming chunks given
             a ``FlowCache`` (``new_cache``) compute their new frames only (``stages.flow_incremental``).
+        incremental_loop: optional ``DeviceIncrementalLoop`` (``device_incremental_loop``): those
+            chunks solved on the GPU through the incremental step plan instead (x, velocity and cache
+            stay on the device; the plain incremental plan then only sets the frame limit).
         cache_limit_bytes: the most one segment's ``FlowCache`` holds before it recomputes.
         voice_slots: voices whose prompt prefix (``VoicePrefixes``) is kept for the first chunks of
             later requests; 0: every first chunk computes the prompt frames again.
@@ -165,14 +188,17 @@ class FlowStage:
         incremental_runner: Runner | None = None,
         cache_limit_bytes: int = DEFAULT_LIMIT_BYTES,
         voice_slots: int = DEFAULT_VOICE_SLOTS,
+        incremental_loop: DeviceIncrementalLoop | None = None,
     ):
         self.voice_prefixes = VoicePrefixes(voice_slots)
         self.step_loops = dict(step_loops or {})
         self.incremental_runner = incremental_runner
+        self.incremental_loop = incremental_loop
         self.cache_limit_bytes = cache_limit_bytes
         # TensorRT plans: the segment's cache stops where the plan's profiles end (recomputation after)
         self.cache_max_frames = incremental_frame_limit(
-            incremental_runner, config.estimator.static_chunk_size
+            incremental_loop.runner if incremental_loop is not None else incremental_runner,
+            config.estimator.static_chunk_size,
         )
         self.encoder_runner = encoder_runner
         self.estimator_runner = estimator_runner
@@ -180,10 +206,15 @@ class FlowStage:
         self.noise = noise
         self.config = config
 
+    @property
+    def _incremental(self) -> Runner | DeviceIncrementalLoop | None:
+        """What solves an incremental chunk: the device loop where there is one, else the runner."""
+        return self.incremental_loop or self.incremental_runner
+
     def new_cache(self) -> FlowCache | None:
         """A ``FlowCache`` for one streaming segment, or None without the incremental graph (the
         chunks then recompute from the start, as the official code does)."""
-        if self.incremental_runner is None:
+        if self._incremental is None:
             return None
         return self._flow_cache()
 
@@ -200,7 +231,7 @@ class FlowStage:
         Takes the arrays as a request passes them (``pipeline.render_chunk``): tokens [1, P],
         ``prompt_feat`` [1, 2P, 80], ``embedding`` [1, 192]. Nothing to do without the incremental graph.
         """
-        if self.incremental_runner is None:
+        if self._incremental is None:
             return False
         tokens = np.asarray(prompt_tokens).astype(np.int64)
         return self._voice_prefix(tokens, np.asarray(prompt_feat, np.float32), embedding) is not None
@@ -253,7 +284,7 @@ class FlowStage:
         cond[0] = prompt_feat[0, :frames].T
         cfm = self.config.cfm
         solve_euler_incremental(
-            self.incremental_runner,
+            self._incremental,
             prefix,
             mu,
             spks,
@@ -349,12 +380,12 @@ class FlowStage:
         noise = self.noise[:, :, :frames]  # [1, 80, T]
         loop = self.step_loops.get(streaming)
         cfm = self.config.cfm
-        incremental = cache is not None and streaming and self.incremental_runner is not None
+        incremental = cache is not None and streaming and self._incremental is not None
         if incremental and cache.frames == 0 and cache.disabled is None:
             self._load_prefix(cache, prompt_tokens.astype(np.int64), prompt_feat, embedding)
         if incremental and cache.usable_for(frames):
             mel = solve_euler_incremental(
-                self.incremental_runner,
+                self._incremental,
                 cache,
                 mu,
                 spks,

@@ -5,7 +5,9 @@ the estimator is chunk-causal and the hops end on chunk boundaries, so the frame
 come out the same in every later call (fixed noise, same tokens). ``FlowCache`` keeps, per Euler
 step, what the new frames need from them (each transformer block's normalised input, for keys and
 values; each causal convolution's last two input frames) and their finished mel, and
-``solve_euler_incremental`` runs the ``FLOW_ESTIMATOR_INCREMENTAL`` graph on the new frames only.
+``solve_euler_incremental`` runs the ``FLOW_ESTIMATOR_INCREMENTAL`` graph on the new frames only
+(on TensorRT engines with the step plan, ``runtime.backends.tensorrt.euler_incremental.DeviceIncrementalLoop`` runs the
+whole chunk on the device: x, the velocity and the cache stay there).
 The encoder still reruns over every token (a few % of the flow's work).
 
 CosyVoice3 (``graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3``, the same I/O): per DiT block the modulated
@@ -35,6 +37,7 @@ import numpy as np
 
 from ..runtime.backends.base import Runner
 from ..runtime.backends.tensorrt.device_blocks import DeviceBlocks
+from ..runtime.backends.tensorrt.euler_incremental import DeviceIncrementalLoop, incremental_feed
 from ..runtime.incremental_profiles import DEFAULT_LIMIT_BYTES
 from ..runtime.profiles import GraphProfiles
 
@@ -266,7 +269,7 @@ def incremental_frame_limit(runner: Runner | None, chunk: int) -> int | None:
 
 
 def solve_euler_incremental(
-    runner: Runner,
+    runner: Runner | DeviceIncrementalLoop,
     cache: FlowCache,
     mu: np.ndarray,
     spks: np.ndarray,
@@ -278,6 +281,8 @@ def solve_euler_incremental(
     """``stages.flow.solve_euler`` with chunk attention over frames ``[cache.frames, T)`` only.
 
     Args:
+        runner: the ``FLOW_ESTIMATOR_INCREMENTAL`` runner (host Euler loop), or the TensorRT step plan's
+            ``DeviceIncrementalLoop`` (the guidance rate and steps are baked into its plan and schedule).
         mu, cond: [1, 80, T] (all frames; the cached ones are skipped). spks: [1, 80].
         noise: start point [1, 80, T]. t_span: the cosine grid [steps + 1].
 
@@ -285,6 +290,12 @@ def solve_euler_incremental(
         The mel [1, 80, T] (cached frames ++ new frames), float32; the cache then holds all T.
     """
     new = slice(cache.frames, mu.shape[2])
+    if isinstance(runner, DeviceIncrementalLoop):  # TensorRT step plan: x and the cache on the device
+        if runner.steps != t_span.shape[0] - 1:
+            raise ValueError(f"the device loop has {runner.steps} steps, the time grid {t_span.shape[0] - 1}")
+        store = _device_store(runner.runner, cache, tails=True)
+        feed = incremental_feed(noise[:, :, new], mu[:, :, new], spks, cond[:, :, new])
+        return cache.finish(runner.run_chunk(store, feed))  # [1, 80, T]
     if callable(getattr(runner, "enqueue", None)):  # TensorRT: the cache stays on the device
         velocity = _device_velocity(runner, cache, new.stop - new.start)
     else:
@@ -359,13 +370,7 @@ def _device_velocity(runner: Any, cache: FlowCache, frames: int) -> VelocityOf:
     frames and the small ``past_tails`` go up, ``estimator_out`` and ``new_tails`` come down, with
     one synchronize; the Euler update stays on the host, in ``solve_euler``'s float32 arithmetic.
     """
-    frame_bytes = cache.blocks * 2 * cache.width * 4  # [L, 2, D] float32 per frame
-    if cache.device is None:
-        cache.device = DeviceBlocks(cache.steps, frame_bytes)
-        if cache.frames:  # blocks held on the host (a host prefix): uploaded once, then kept there
-            _upload_host_blocks(runner, cache)
-            cache._shared, cache._blocks = [], []
-    store = cache.device
+    store = _device_store(runner, cache, tails=False)
 
     def velocity(step: int, feed: dict[str, np.ndarray]) -> np.ndarray:
         feed["past_tails"] = cache._tails[step]
@@ -386,6 +391,20 @@ def _device_velocity(runner: Any, cache: FlowCache, frames: int) -> VelocityOf:
             return np.array(views["estimator_out"], copy=True)  # [2, 80, n]
 
     return velocity
+
+
+def _device_store(runner: Any, cache: FlowCache, tails: bool) -> DeviceBlocks:
+    """The segment's device store (made on first use): blocks held on the host (a host prefix) are
+    uploaded once, then kept there; with ``tails`` the convolution tails too (the device Euler loop)."""
+    if cache.device is None:
+        frame_bytes = cache.blocks * 2 * cache.width * 4  # [L, 2, D] float32 per frame
+        cache.device = DeviceBlocks(cache.steps, frame_bytes, cache._tails[0].nbytes if tails else 0)
+        if cache.frames:
+            _upload_host_blocks(runner, cache)
+            cache._shared, cache._blocks = [], []
+        if tails:  # zeros for a fresh segment, a host prefix's tails otherwise
+            cache.device.upload_tails(cache._tails, runner.stream(0))
+    return cache.device
 
 
 def _upload_host_blocks(runner: Any, cache: FlowCache) -> None:

@@ -46,7 +46,7 @@ from ...runtime.backends.tensorrt.runner import (
     shared_runtime,
     trt_logger,
 )
-from ...runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL
+from ...runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL, FLOW_STEP_INCREMENTAL
 from ...runtime.incremental_profiles import incremental_profiles
 from ...runtime.llm_decode import LLM_DECODE_NAME
 from ...runtime.manifest import file_sha256
@@ -57,6 +57,7 @@ from ...runtime.profiles import (
     default_profiles,
     llm_decode_profiles,
     read_profiles,
+    step_profiles,
     trt_graph_specs,
     write_profiles,
 )
@@ -90,6 +91,7 @@ TRT_FAMILIES: Final = frozenset({"v1", "v2", "v3"})
 TRT_SUMMARY_NAME: Final = "tensorrt.json"
 TIMING_CACHE_NAME: Final = "timing.cache"
 INCREMENTAL_NAME: Final = FLOW_ESTIMATOR_INCREMENTAL.name  # optional, as llm_decode (exported for v2)
+INCREMENTAL_STEP_NAME: Final = FLOW_STEP_INCREMENTAL.name  # its device Euler step, made with it
 
 Progress = Callable[[str], None]
 
@@ -129,16 +131,19 @@ def prepare_trt_graphs(
     if (engines_dir / f"{LLM_DECODE_NAME}.onnx").is_file():  # exported for the Qwen2 families
         profiles[LLM_DECODE_NAME] = llm_decode_profiles(config, limits)  # type: ignore[arg-type]
         names.append(LLM_DECODE_NAME)
+    steps = [name for name in trt_graph_specs(family_named(config.family)) if name not in names]
     if (engines_dir / f"{INCREMENTAL_NAME}.onnx").is_file():  # CosyVoice2: streaming chunks, new frames only
         profiles[INCREMENTAL_NAME] = incremental_profiles(config, limits)  # type: ignore[arg-type]
         names.append(INCREMENTAL_NAME)
+        # its Euler step with the guidance on the device (backends.tensorrt.euler_incremental: x stays there)
+        profiles[INCREMENTAL_STEP_NAME] = step_profiles(profiles[INCREMENTAL_NAME], INCREMENTAL_STEP_NAME)
+        steps.append(INCREMENTAL_STEP_NAME)
     write_profiles(profiles, engines_dir / PROFILES_NAME)
     graphs: dict[str, Any] = {}
     for name in names:
         graphs[name] = _prepare_graph(engines_dir, name, config, precision, measure, emit)
-    for name in trt_graph_specs(family_named(config.family)):
-        if name not in graphs:
-            graphs[name] = _prepare_step_graph(engines_dir, name, config, precision, measure, emit)
+    for name in steps:
+        graphs[name] = _prepare_step_graph(engines_dir, name, config, precision, measure, emit)
     summary = {
         "trt_cosy_version": __version__,
         "family": config.family,

@@ -25,7 +25,7 @@ from ...runtime import graphs
 from ...runtime.graphs import GraphSpec
 from ...runtime.model import LoadedModel
 from ...stages.bistream import BistreamPrompt, BistreamSpecials
-from ...stages.flow import FlowStage, device_euler_loops
+from ...stages.flow import FlowStage, device_euler_loops, device_incremental_loop
 from ...stages.llm import LLMStage
 from ...stages.vocoder import VocoderStage
 from ...synthesis import LLMPrompt
@@ -154,6 +154,7 @@ class V2Family(Family):
             config.flow,
             step_loops=device_euler_loops(runners, config.flow),  # TensorRT step plans, when built
             incremental_runner=runners.get(graphs.FLOW_ESTIMATOR_INCREMENTAL.name),
+            incremental_loop=device_incremental_loop(runners, config.flow),  # TensorRT step plan
         )
         if flow.incremental_runner is None and model.backend in ("onnxruntime", "openvino", "mixed"):
             _LOGGER.info(

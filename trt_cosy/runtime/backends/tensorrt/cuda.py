@@ -385,15 +385,20 @@ class CudaGraph(_Resource):
 
     ``capture`` brackets ``work`` with ``cudaStreamBeginCapture`` (thread-local mode: other threads'
     CUDA calls are not disturbed) and ``cudaStreamEndCapture`` and instantiates the graph; ``launch``
-    replays it on a stream with one call. The captured launches keep the device addresses they had:
-    the caller keys its graphs by everything they bake in (profile, shapes, bound addresses).
+    replays it on a stream with one call. The captured launches keep the device addresses and shapes
+    they had; ``update`` captures the same work with new ones and swaps them into this executable
+    graph (``cudaGraphExecUpdate``: far cheaper than instantiating; it takes effect at the next
+    launch and leaves launches already queued as they were, CUDA programming guide "Updating
+    instantiated graphs"), instantiating anew where the update is refused (another topology).
     """
 
     def __init__(self, handle: Any):
         self.handle: Any = handle
 
-    @classmethod
-    def capture(cls, stream: Stream, work: Any) -> CudaGraph:
+    @staticmethod
+    def _record(stream: Stream, work: Any) -> Any:
+        """The ``cudaGraph_t`` of what ``work`` queues on ``stream`` (the caller destroys it). A failed
+        ``work`` or capture ends the capture, drops the partial graph, clears the error and raises."""
         runtime = bindings()
         mode = runtime.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
         cuda_call(runtime.cudaStreamBeginCapture(stream.handle, mode))
@@ -401,16 +406,48 @@ class CudaGraph(_Resource):
             work()
         except BaseException:
             try:  # end the capture whatever happened; the partial graph is dropped
-                cuda_call(runtime.cudaGraphDestroy(cuda_call(runtime.cudaStreamEndCapture(stream.handle))))
+                partial = cuda_call(runtime.cudaStreamEndCapture(stream.handle))
+                if partial is not None:
+                    cuda_call(runtime.cudaGraphDestroy(partial))
             except CudaError as exc:
                 _LOGGER.debug("ending a failed capture: %s", exc)
+            runtime.cudaGetLastError()  # as trtexec after a failed capture: no error left behind
             raise
-        graph = cuda_call(runtime.cudaStreamEndCapture(stream.handle))
+        try:
+            return cuda_call(runtime.cudaStreamEndCapture(stream.handle))
+        except CudaError:
+            runtime.cudaGetLastError()
+            raise
+
+    @classmethod
+    def capture(cls, stream: Stream, work: Any) -> CudaGraph:
+        runtime = bindings()
+        graph = cls._record(stream, work)
         try:
             executable = cuda_call(runtime.cudaGraphInstantiate(graph, 0))
         finally:
             cuda_call(runtime.cudaGraphDestroy(graph))
         return cls(executable)
+
+    def update(self, stream: Stream, work: Any) -> bool:
+        """Capture ``work`` again and make this graph replay it; True when updated in place, False when
+        CUDA refused the update and the graph was instantiated anew (the old one destroyed). The caller
+        must not launch this graph concurrently on another stream meanwhile (one stream per slot)."""
+        runtime = bindings()
+        graph = self._record(stream, work)
+        try:
+            err = runtime.cudaGraphExecUpdate(self.handle, graph)
+            err = err[0] if isinstance(err, tuple) else err  # (cudaError_t, resultInfo)
+            if int(err) == 0:
+                return True
+            runtime.cudaGetLastError()  # cudaErrorGraphExecUpdateFailure: instantiate instead
+            executable = cuda_call(runtime.cudaGraphInstantiate(graph, 0))
+        finally:
+            cuda_call(runtime.cudaGraphDestroy(graph))
+        old, self.handle = self.handle, executable
+        stream.synchronize()  # rare (another topology): the docs do not promise an in-flight destroy
+        cuda_call(runtime.cudaGraphExecDestroy(old))
+        return False
 
     def launch(self, stream: Stream) -> None:
         cuda_call(bindings().cudaGraphLaunch(self.handle, stream.handle))

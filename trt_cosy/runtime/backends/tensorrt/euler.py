@@ -18,7 +18,7 @@ Numpy only; the step runner is a ``TrtRunner`` (or anything with its hot-path me
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -103,7 +103,9 @@ class StepRunner(Protocol):
     def copy_inputs(
         self, arrays: Mapping[str, np.ndarray], slot: int = 0, bound: Collection[str] = ()
     ) -> None: ...
-    def enqueue(self, slot: int = 0, addresses: Mapping[str, int] | None = None) -> None: ...
+    def enqueue(
+        self, slot: int = 0, addresses: Mapping[str, int] | None = None, graph: Hashable = False
+    ) -> None: ...
     def device_tensor(self, name: str, slot: int = 0) -> tuple[int, tuple[int, ...], np.dtype]: ...
     def record(self, slot: int = 0, event: Event | None = None) -> Event: ...
     def wait(self, event: Event, slot: int = 0) -> None: ...
@@ -134,10 +136,16 @@ class DeviceEulerLoop:
     Chained solves on one slot never overwrite pinned staging still being copied: ``copy_inputs``
     writes the slot's pinned buffers from the host at once, so ``enqueue`` first waits (on the host,
     only while it is not done) for the event recorded after the previous solve's uploads.
+
+    ``graphs``: each step launches through the runner's CUDA graph for that step
+    (``TrtRunner.enqueue(graph=("euler", step))``): replayed while the frame count stays, captured
+    again and updated in place when it changes; the first step after a shape change runs plainly.
     """
 
-    def __init__(self, runner: StepRunner, schedule: np.ndarray):
-        self.runner = runner
+    GRAPH_TAG: Final = "euler"
+
+    def __init__(self, runner: StepRunner, schedule: np.ndarray, graphs: bool = True):
+        self.runner, self.graphs = runner, graphs
         self.schedule = np.ascontiguousarray(schedule, dtype=np.float32)  # [n, 2]
         steps = self.schedule.shape[0]
         table = np.zeros((2 * steps, TIME_STRIDE // _FLOAT.itemsize), np.float32)  # [2n, 64]
@@ -176,8 +184,26 @@ class DeviceEulerLoop:
         Returns:
             The final x on the device and the event recorded after the last step.
         """
-        runner = self.runner
         arrays = {**feed, "t": self.schedule[0, :1], "dt": self.schedule[0, 1:]}  # t/dt: bound by address
+        shapes = self._stage(arrays, slot, after, bound=("t", "dt"))  # t/dt: rows of the schedule table
+        buffers = self._x_buffers(slot)
+        for step in range(self.steps):
+            self._launch(slot, step, self.step_addresses(step, buffers))
+        event = self.runner.record(slot, self._done[slot])
+        return DeviceOutput(buffers[self.steps % 2], shapes["x_next"], event)
+
+    def run(self, feed: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Solve on a free slot and return x [1, 80, F] on the host (one stream synchronize)."""
+        with self.runner.slot() as slot:
+            return self.to_host(self.enqueue(feed, slot), slot)
+
+    # -- shared with runtime.euler_incremental.DeviceIncrementalLoop -------------------------------
+
+    def _stage(
+        self, arrays: Mapping[str, np.ndarray], slot: int, after: Event | None, bound: Collection[str]
+    ) -> dict[str, tuple[int, ...]]:
+        """Set the shapes of ``arrays`` and queue the uploads of those not ``bound`` (by address)."""
+        runner = self.runner
         shapes = runner.set_shapes({name: np.shape(value) for name, value in arrays.items()}, slot)
         if after is not None:
             runner.wait(after, slot)
@@ -185,28 +211,33 @@ class DeviceEulerLoop:
         staged = self._uploaded_inputs[slot]
         if self._staging_busy[slot] and not staged.done():  # the last solve's uploads still read them
             staged.synchronize()
-        runner.copy_inputs(arrays, slot, bound=("t", "dt"))  # t/dt: rows of the schedule table
+        runner.copy_inputs(arrays, slot, bound=bound)
         runner.record(slot, staged)
         self._staging_busy[slot] = True
-        # Preallocated at the profile maxima, these pointers do not move while the slot is ours.
-        buffers = (runner.device_tensor("x", slot)[0], runner.device_tensor("x_next", slot)[0])
-        for step in range(self.steps):
-            addresses = {"x": buffers[step % 2], "x_next": buffers[(step + 1) % 2]}
-            runner.enqueue(slot, addresses={**addresses, **self.time_addresses(step)})
-        event = runner.record(slot, self._done[slot])
-        return DeviceOutput(buffers[self.steps % 2], shapes["x_next"], event)
+        return shapes
 
-    def run(self, feed: Mapping[str, np.ndarray]) -> np.ndarray:
-        """Solve on a free slot and return x [1, 80, F] on the host (one stream synchronize)."""
-        with self.runner.slot() as slot:
-            out = self.enqueue(feed, slot)
-            nbytes = _FLOAT.itemsize * int(np.prod(out.shape))
-            host, stream = self._results[slot], self.runner.stream(slot)
-            host.resize(nbytes)
-            kind = bindings().cudaMemcpyKind.cudaMemcpyDeviceToHost
-            cuda_call(bindings().cudaMemcpyAsync(host.ptr, out.ptr, nbytes, kind, stream.handle))
-            stream.synchronize()
-            return np.array(host.view(np.float32, out.shape), copy=True)  # [1, 80, F]
+    def _x_buffers(self, slot: int) -> tuple[int, int]:
+        """The slot's x and x_next buffers: preallocated at the profile maxima, these pointers do not
+        move while the slot is ours; x ping-pongs between them."""
+        return self.runner.device_tensor("x", slot)[0], self.runner.device_tensor("x_next", slot)[0]
+
+    def step_addresses(self, step: int, buffers: tuple[int, int]) -> dict[str, int]:
+        """What step ``step`` binds by address: x, x_next (ping-pong) and its t, dt table rows."""
+        return {"x": buffers[step % 2], "x_next": buffers[(step + 1) % 2], **self.time_addresses(step)}
+
+    def _launch(self, slot: int, step: int, addresses: Mapping[str, int]) -> None:
+        graph = (self.GRAPH_TAG, step) if self.graphs else False
+        self.runner.enqueue(slot, addresses=addresses, graph=graph)
+
+    def to_host(self, out: DeviceOutput, slot: int) -> np.ndarray:
+        """Download ``out`` (queued on ``slot``'s stream) after one stream synchronize: x [1, 80, F]."""
+        nbytes = _FLOAT.itemsize * int(np.prod(out.shape))
+        host, stream = self._results[slot], self.runner.stream(slot)
+        host.resize(nbytes)
+        kind = bindings().cudaMemcpyKind.cudaMemcpyDeviceToHost
+        cuda_call(bindings().cudaMemcpyAsync(host.ptr, out.ptr, nbytes, kind, stream.handle))
+        stream.synchronize()
+        return np.array(host.view(np.float32, out.shape), copy=True)  # [1, 80, F]
 
     def free(self) -> None:
         """Release the schedule, the result staging buffers and the events."""

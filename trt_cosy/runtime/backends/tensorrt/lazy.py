@@ -22,7 +22,7 @@ from .runner import TrtRunner, checked_plans
 
 __all__ = ["LazyTrtRunner", "deferred_plans", "load_plans"]
 
-PLAIN_ESTIMATORS: Final = frozenset(STEP_GRAPHS)  # flow_estimator, flow_estimator_stream
+PLAIN_ESTIMATORS: Final = frozenset(STEP_GRAPHS)  # flow_estimator(_stream), flow_estimator_incremental
 
 
 def deferred_plans(plans: Iterable[str], lazy_graphs: Collection[str]) -> frozenset[str]:

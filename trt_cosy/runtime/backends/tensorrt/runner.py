@@ -31,7 +31,8 @@ from __future__ import annotations
 import json
 import logging
 import queue
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ from typing import Any, Final
 import numpy as np
 
 from ....errors import EngineMismatchError, InputError, TrtCosyError
-from ...graphs import FLOW_ESTIMATOR_INCREMENTAL
+from ...graphs import FLOW_ESTIMATOR_INCREMENTAL, FLOW_STEP_INCREMENTAL
 from ...llm_decode import LLM_DECODE_NAME, device_cache_inputs
 from ...profiles import PROFILES_NAME, GraphProfiles, read_profiles
 from .bindings import PlanIO, TensorInfo, dims, nbytes
@@ -69,7 +70,10 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 MAX_GRAPHS: Final = 128  # captured CUDA graphs kept per slot (least recently made dropped first)
 # Inputs a plan reads from device memory that its caller owns (bound by address at every enqueue).
-BOUND_INPUTS: Final[Mapping[str, tuple[str, ...]]] = {FLOW_ESTIMATOR_INCREMENTAL.name: ("past_blocks",)}
+BOUND_INPUTS: Final[Mapping[str, tuple[str, ...]]] = {
+    FLOW_ESTIMATOR_INCREMENTAL.name: ("past_blocks",),
+    FLOW_STEP_INCREMENTAL.name: ("past_blocks", "past_tails"),  # the segment's store and its tails
+}
 
 
 def load_plan_runners(
@@ -147,8 +151,17 @@ class _Slot:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     addresses: dict[str, int] = field(default_factory=dict)
     output_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # enqueue(graph=True): key -> captured graph, or None after the one plain launch it follows
-    graphs: dict[tuple, CudaGraph | None] = field(default_factory=dict)
+    fresh: bool = True  # an input shape or the profile changed since the last plain launch
+    graphs: OrderedDict[tuple, _Captured] = field(default_factory=OrderedDict)  # enqueue(graph=...)
+
+
+@dataclass
+class _Captured:
+    """A slot's captured launch: the graph and the shapes and addresses it was captured with."""
+
+    graph: CudaGraph
+    shapes: tuple
+    addresses: tuple
 
 
 class TrtRunner:
@@ -188,7 +201,8 @@ class TrtRunner:
         self._workspace_need = [self._workspace_size(index) for index in range(count * per_slot)]
         sizes = {n: size for n, size in self._plan.max_bytes().items() if n not in self.external}
         self._slots = [self._make_slot(i, sizes) for i in range(count)]
-        self._graphs = True  # CUDA graphs for enqueue(graph=True), until a capture fails
+        self._graphs = True  # CUDA graphs for enqueue(graph=...), until a capture fails
+        self.graph_counts = dict.fromkeys(("plain", "captured", "updated", "replayed"), 0)
         self._free: queue.Queue[_Slot] = queue.Queue()
         for slot in self._slots:
             self._free.put(slot)
@@ -282,6 +296,7 @@ class TrtRunner:
             if state.shapes.get(name) != shape:
                 self._call(state.context.set_input_shape(name, shape), f"set input '{name}' to {shape}")
                 state.shapes[name] = shape
+                state.fresh = True
         state.output_shapes = {n: dims(state.context.get_tensor_shape(n)) for n in self.output_names}
         unresolved = {n: s for n, s in state.output_shapes.items() if any(d < 0 for d in s)}
         if unresolved:
@@ -306,7 +321,7 @@ class TrtRunner:
                 state.device[name].copy_from_async(state.host[name], array.nbytes, state.stream)
 
     def enqueue(
-        self, slot: int = 0, addresses: Mapping[str, int] | None = None, graph: bool = False
+        self, slot: int = 0, addresses: Mapping[str, int] | None = None, graph: Hashable = False
     ) -> None:
         """Launch the engine on the slot's stream and return at once.
 
@@ -316,11 +331,15 @@ class TrtRunner:
         (e.g. another stage's ``device_tensor``; 256-byte aligned) instead of the slot's buffers.
         Addresses are set only when they differ from the last launch. Never allocates.
 
-        ``graph``: replay a CUDA graph of this launch (one call instead of TensorRT's kernel
-        launches) keyed by the profile, the shapes, the bound addresses and the activation memory;
-        the first launch of a key runs plainly (TensorRT needs one after a shape change before a
-        capture), the second captures, later ones replay. A failed capture turns graphs off for
-        this runner (logged) and launches plainly.
+        ``graph``: launch through a CUDA graph of this launch (one ``cudaGraphLaunch`` instead of
+        TensorRT's kernel launches). ``True``: one graph per profile, shapes, bound addresses and
+        activation memory, replayed as it is. Any other hashable (e.g. ``("euler", step)``): one graph
+        per that key, profile and activation memory, replayed as it is while the shapes and addresses
+        are those it was captured with, else captured again and updated in place
+        (``CudaGraph.update``: new addresses without a new instantiation). The first launch after a
+        shape change or a profile switch always runs plainly: trtexec enqueues once before it
+        captures "to avoid capturing initialization calls" (``samples/common/sampleInference.cpp``).
+        A failed capture turns graphs off for this runner (one warning) and launches plainly.
         """
         state = self._slots[slot]
         for name in self.output_names:
@@ -342,42 +361,55 @@ class TrtRunner:
                 state.addresses[name] = ptr
         if not state.memory_bound:  # after every profile switch or growth, right before the launch
             self._bind_workspace(state)
-        if graph and self._graphs:
-            self._launch_graph(state)
-        else:
-            self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
-
-    def _launch_graph(self, state: _Slot) -> None:
-        addresses = tuple(sorted(state.addresses.items()))
-        key = (state.profile, tuple(sorted(state.shapes.items())), addresses, state.workspace.ptr)
-        if key not in state.graphs:
-            state.graphs[key] = None
-            self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+        if graph is not False and self._graphs and not state.fresh:
+            self._launch_graph(state, graph)
             return
-        captured = state.graphs[key]
-        if captured is None:
+        self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+        state.fresh = False
+        self.graph_counts["plain"] += 1
 
-            def launch() -> None:
-                ok = state.context.execute_async_v3(state.stream.ptr)
-                self._call(ok, "execute_async_v3 while capturing a CUDA graph")
+    def _launch_graph(self, state: _Slot, tag: Hashable) -> None:
+        shapes, addresses = tuple(sorted(state.shapes.items())), tuple(sorted(state.addresses.items()))
+        exact = tag is True  # one graph per shapes and addresses; else per tag, updated when they change
+        key = (state.profile, state.workspace.ptr, *((shapes, addresses) if exact else (tag,)))
 
-            try:
-                captured = CudaGraph.capture(state.stream, launch)
-            except (CudaError, TrtCosyError) as exc:
-                _LOGGER.warning(
-                    "%s: CUDA graph capture failed (%s); launching without graphs", self.name, exc
-                )
-                self._graphs = False
-                self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
-                return
-            while len(state.graphs) >= MAX_GRAPHS:
-                oldest = next(iter(state.graphs))
-                dropped = state.graphs.pop(oldest)
-                if dropped is not None:
-                    state.stream.synchronize()  # it may still be running
-                    dropped.free()
-            state.graphs[key] = captured
-        captured.launch(state.stream)
+        def launch() -> None:
+            ok = state.context.execute_async_v3(state.stream.ptr)
+            self._call(ok, "execute_async_v3 while capturing a CUDA graph")
+
+        entry = state.graphs.get(key)
+        try:
+            if entry is None:
+                entry = _Captured(CudaGraph.capture(state.stream, launch), shapes, addresses)
+                self._keep_graph(state, key, entry)
+                self.graph_counts["captured"] += 1
+            elif (entry.shapes, entry.addresses) != (shapes, addresses):
+                entry.graph.update(state.stream, launch)
+                entry.shapes, entry.addresses = shapes, addresses
+                self.graph_counts["updated"] += 1
+            else:
+                self.graph_counts["replayed"] += 1
+        except (CudaError, TrtCosyError) as exc:
+            _LOGGER.warning("%s: CUDA graph capture failed (%s); launching without graphs", self.name, exc)
+            self._graphs = False
+            state.graphs.pop(key, None)
+            if entry is not None:
+                state.stream.synchronize()  # once: a launch of it may be queued
+                entry.graph.free()
+            self._call(state.context.execute_async_v3(state.stream.ptr), "execute_async_v3")
+            self.graph_counts["plain"] += 1
+            return
+        state.graphs.move_to_end(key)
+        entry.graph.launch(state.stream)
+
+    @staticmethod
+    def _keep_graph(state: _Slot, key: tuple, entry: _Captured) -> None:
+        """Keep at most ``MAX_GRAPHS`` per slot, dropping the least recently launched."""
+        while len(state.graphs) >= MAX_GRAPHS:
+            _, dropped = state.graphs.popitem(last=False)
+            state.stream.synchronize()  # it may still be running (rare: past MAX_GRAPHS keys)
+            dropped.graph.free()
+        state.graphs[key] = entry
 
     def copy_outputs(self, slot: int = 0, names: Collection[str] | None = None) -> dict[str, np.ndarray]:
         """Queue device -> pinned copies of every output (or of ``names``); the views are valid after a
@@ -431,9 +463,8 @@ class TrtRunner:
         for state in self._slots:
             state.stream.synchronize()  # queued launches may still use the memory below
             for captured in state.graphs.values():
-                if captured is not None:
-                    captured.free()
-            state.graphs = {}
+                captured.graph.free()
+            state.graphs = OrderedDict()
             state.context = None  # the context goes before the activation memory it was given
             self._release_retired(state, wait=True)
             for buffer in (*state.device.values(), *state.host.values(), state.workspace):
@@ -524,7 +555,7 @@ class TrtRunner:
         # A profile switch invalidates the shapes; addresses and the activation memory are set again
         # too (the header promises neither survives; Polygraphy re-binds both before every launch).
         state.profile, state.shapes, state.addresses = profile, {}, {}
-        state.memory_bound = False
+        state.memory_bound, state.fresh = False, True
 
     def _check_room(self, state: _Slot, name: str, nbytes: int) -> None:
         """Buffers never move after load (device pointers may be captured, e.g. by ``DeviceEulerLoop``)."""
