@@ -55,9 +55,10 @@ def make_voice(engines: Path, folder: Path) -> None:
     tts.voice_from_wav(REF, "Hello, this is me.").save(folder / "alice.npz")
 
 
-def start(setup: str, engines: Path, voices: Path) -> tuple[list[subprocess.Popen], list[str]]:
+def start(setup: str, engines: Path, voices: Path, timeout_s: float) -> tuple[list[subprocess.Popen], list[str]]:
     """The processes of ``setup`` and the URLs the two clients use."""
-    serve = [sys.executable, "-m", "trt_cosy.cli", "serve", "--engines", str(engines), "--voices-dir", str(voices)]
+    serve = [sys.executable, "-m", "trt_cosy.cli", "serve", "--engines", str(engines), "--voices-dir", str(voices),
+             "--timeout", f"{timeout_s:g}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if setup in ("workers", "ray"):
         port = free_port()
@@ -179,6 +180,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests per client per round")
     parser.add_argument("--setups", default="workers,taskset,default")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="every server's --timeout: full-size engines on a small machine need more than the "
+                             "default where a fresh server's warm-up estimate refuses the first request (413)")
     args = parser.parse_args()
     setups = args.setups.split(",")
     results: dict[str, list[dict]] = {setup: [] for setup in setups}
@@ -187,7 +191,7 @@ def main() -> None:
         make_voice(args.engines, voices)
         for round_index in range(args.rounds):
             for setup in setups:
-                processes, urls = start(setup, args.engines, voices)
+                processes, urls = start(setup, args.engines, voices, args.timeout)
                 try:
                     wait_ready(urls, processes)
                     load = os.getloadavg()[0]
@@ -209,7 +213,8 @@ def main() -> None:
                        for key in ("audio_per_s", "audio_per_cpu_s")} for setup, rows in results.items()}
     print("medians:", json.dumps(summary))
     report = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "engines": str(args.engines), "requests_per_client": args.requests, "rounds": results,
+              "engines": str(args.engines), "requests_per_client": args.requests, "timeout_s": args.timeout,
+              "rounds": results,
               "medians": summary}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -24,7 +24,7 @@ def test_ray_options_need_ray_and_one_scale(tmp_path):
 
 def test_serve_deterministic_reaches_the_engine_config(tmp_path, monkeypatch):
     """`--deterministic` / `--no-deterministic` / neither -> EngineConfig.deterministic True / False / None
-    (with one KV slot per --max-concurrent); refused with --ray (its replicas load the default)."""
+    (with one KV slot per --max-concurrent)."""
     from types import SimpleNamespace
 
     from trt_cosy.server import runner as server_runner
@@ -45,5 +45,33 @@ def test_serve_deterministic_reaches_the_engine_config(tmp_path, monkeypatch):
         result = cli.invoke(main, args)
         assert result.exit_code == 0, result.output
         assert seen[-1].deterministic is expected and seen[-1].llm_slots == 3
-    result = cli.invoke(main, ["serve", "--engines", str(tmp_path), "--ray", "--deterministic"])
-    assert result.exit_code == 2 and "not passed to Ray replicas" in result.output, result.output
+
+
+
+def test_ray_replicas_get_the_deterministic_flag_and_a_kv_slot_per_concurrent_request(tmp_path, monkeypatch):
+    """`--ray --deterministic` reaches RayServeOptions, and each replica's EngineConfig (with one KV slot of
+    the shared decode loop per --max-concurrent, as `trt-cosy serve`)."""
+    import pytest
+
+    for module in ("ray", "fastapi", "uvicorn", "python_multipart", "prometheus_client"):
+        pytest.importorskip(module)
+    from types import SimpleNamespace
+
+    from trt_cosy.runtime.manifest import Manifest
+    from trt_cosy.serving import ray_app
+    from trt_cosy.tts import CosyVoice
+
+    seen = []
+    monkeypatch.setattr(ray_app, "run_ray_serve", lambda options, progress: seen.append(options))
+    result = CliRunner().invoke(main, ["serve", "--engines", str(tmp_path), "--ray", "--deterministic",
+                                       "--max-concurrent", "3"])
+    assert result.exit_code == 0, result.output
+    assert seen[-1].deterministic is True and seen[-1].max_concurrent == 3
+    monkeypatch.setattr(Manifest, "read", classmethod(lambda cls, path: SimpleNamespace(backend="onnxruntime")))
+    monkeypatch.setattr(ray_app, "_replica_id", lambda: "r0")
+    configs = []
+    monkeypatch.setattr(CosyVoice, "load", classmethod(
+        lambda cls, path, backend="auto", config=None: configs.append(config) or SimpleNamespace(model_id="fake")))
+    bound = ray_app.deployment_for(seen[-1])._bound_deployment  # what every replica is constructed with
+    ray_app.TrtCosyReplica(*bound.init_args[:3], None, *bound.init_args[4:])  # None: no pinning in the test
+    assert configs[-1].deterministic is True and configs[-1].llm_slots == 3

@@ -63,6 +63,6 @@ def main(verbose: int) -> None:
 
 
 for _command in (models.download, models.build, models.make_test_model, models.verify, say.say,
-                 convert.convert, voices.voices, serve.serve, serve.triton_repo, bench.bench):
+                 convert.convert, voices.voices, serve.serve, serve.triton_repo, bench.bench, bench.tune_threads):
     main.add_command(_command)
     add_verbose_option(_command)  # after the command's own options, as -v / -vv anywhere on the line

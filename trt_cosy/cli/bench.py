@@ -68,3 +68,37 @@ def _bench_concurrency(engines: Path, levels: str, text: str | None, runs: int, 
     click.echo(format_concurrency(report))
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+@click.command("tune-threads")
+@click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Engines directory to measure (trt-cosy build --out).")
+@click.option("--seconds", type=click.FloatRange(min=1.0), default=600.0, show_default=True,
+              help="About how long the timing may take: the first two splits always run, later ones are skipped "
+                   "past this.")
+@click.option("--tokens", type=click.IntRange(min=30), default=100, show_default=True,
+              help="Speech tokens of each replica's non-streamed run (25 per second of audio).")
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed runs per replica (medians).")
+@click.option("--splits", default=None, metavar="RxT[p],...",
+              help="Only these splits: REPLICASxTHREADS, p for pinned, or 'default' (one engine, default threads, "
+                   "unpinned), e.g. default,2x1p. Default: the machine's candidates (one-thread replicas, the "
+                   "default pinned, replicas of each divisor of the cores within a NUMA node, fewer threads).")
+def tune_threads(engines: Path, seconds: float, tokens: int, runs: int, splits: str | None) -> None:
+    """Time splits of this machine's cores among engines (replicas x threads, pinned) and record the best for
+    throughput, first audio and one engine alone; `serve --workers auto`, `--ray --replicas auto`,
+    `triton-repo --instances auto` and `serve` (one engine) use it."""
+    from ..bench.thread_split import SplitOptions, parse_splits
+    from ..bench.thread_split import tune_threads as measure
+    from ..runtime.cpu_budget import read_budget
+    from ..runtime.thread_plan import write_plan
+
+    budget = read_budget()
+    chosen = parse_splits(splits, budget) if splits is not None else None
+    plan = measure(engines, SplitOptions(tokens=tokens, runs=runs, seconds=seconds), chosen,
+                   progress=echo_progress, budget=budget)
+    path = write_plan(plan, engines)
+    click.echo(f"{plan.cpu}, {plan.budget_description}:\n{plan.table()}")
+    for choice in plan.choices.values():
+        click.echo(choice.describe())
+    click.echo(f"recorded in {path}")

@@ -52,8 +52,11 @@ def download(name: str, source: str, target: Path | None) -> None:
                    "today's rule, no timing.")
 @click.option("--tune-seconds", type=click.FloatRange(min=1.0), default=None,
               help="About how long the timing may take (default 90; the candidates' builds come first).")
+@click.option("--tune-threads", "tune_threads", is_flag=True,
+              help="Then time splits of this machine's cores among the engines (`trt-cosy tune-threads` with its "
+                   "defaults) and record the best next to them, for `serve --workers auto` and one engine.")
 def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, force: bool, onnx_only: bool,
-          tune: str, tune_seconds: float | None) -> None:
+          tune: str, tune_seconds: float | None, tune_threads: bool) -> None:
     """Export the official checkpoint to ONNX per stage and build engines for a backend."""
     from ..errors import require
 
@@ -74,6 +77,7 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
                           budget_s=tune_seconds or DEFAULT_TUNE_SECONDS,
                           progress=lambda message: click.echo(message, err=True))
         click.echo(f"engines ready in {path}")
+        _tune_threads(path, tune_threads)
         return
     if backend == AUTO:
         echo_progress(choice.line() + ("" if tune == "off" or choice.backend == "tensorrt" else
@@ -82,6 +86,18 @@ def build(model_dir: Path, out_dir: Path, backend: str, precision: str | None, f
                          progress=lambda message: click.echo(message, err=True), onnx_only=onnx_only,
                          backend_reason=choice.reason)
     click.echo(f"engines ready in {path}")
+    _tune_threads(path, tune_threads and not onnx_only and choice.backend != "tensorrt")
+
+
+def _tune_threads(engines: Path, wanted: bool) -> None:
+    """``build --tune-threads``: the thread plan of the engines just built (``bench.thread_split``)."""
+    if not wanted:
+        return
+    from ..bench.thread_split import tune_threads
+    from ..runtime.thread_plan import write_plan
+
+    plan = tune_threads(engines, progress=echo_progress)
+    click.echo(f"thread plan recorded in {write_plan(plan, engines)}")
 
 
 @click.command()

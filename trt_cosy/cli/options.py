@@ -165,3 +165,34 @@ def output_options(command):
     for option in (quiet_option, seed_option, out_option):
         command = option(command)
     return command
+
+
+class CountOrAuto(click.ParamType):
+    """A count >= 1, or ``auto``: the number measured on this machine (``trt-cosy tune-threads``)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto" or isinstance(value, int):
+            return value
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a count nor 'auto'.", param, ctx)
+        if number < 1:
+            self.fail(f"{value!r}: need at least 1.", param, ctx)
+        return number
+
+
+def measured_split(engines: Path, objective: str, option: str):
+    """The split ``trt-cosy tune-threads`` measured for ``engines`` on this machine (``thread_plan``), for
+    ``option auto``; a usage error saying how to measure it where none was."""
+    from ..runtime.thread_plan import planned_split
+
+    choice = planned_split(engines, objective)
+    if choice is None:
+        raise click.UsageError(
+            f"{option} auto: no split of this machine's cores was measured for {engines}; run "
+            f"`trt-cosy tune-threads --engines {engines}` here first, or give {option} N.")
+    echo_progress(f"{option} auto: measured on this machine: {choice.describe()}")
+    return choice

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .options import backend_option, engines_or_model_dir
+from .options import CountOrAuto, backend_option, engines_or_model_dir, measured_split
 
 
 @click.command("triton-repo")
@@ -17,8 +17,9 @@ from .options import backend_option, engines_or_model_dir
 @click.option("--out", "repo", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Model repository folder to write into (tritonserver --model-repository).")
 @click.option("--model-name", default="trt_cosy", show_default=True, help="The model's name in Triton.")
-@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Model instances (per GPU with --device gpu), each loading the engines once.")
+@click.option("--instances", type=CountOrAuto(), default=1, show_default=True,
+              help="Model instances (per GPU with --device gpu), each loading the engines once; auto: the "
+                   "replicas and threads `trt-cosy tune-threads` measured best for throughput here.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="KIND_GPU or KIND_CPU instances; auto: GPU for TensorRT engines, CPU for ONNX Runtime ones.")
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -48,6 +49,9 @@ def triton_repo(engines: Path, repo: Path, model_name: str, instances: int, devi
     """Write a Triton Inference Server model repository (Python backend) that serves the engines."""
     from ..serving.triton_repo import TritonRepoOptions, write_triton_repo
 
+    if instances == "auto":
+        choice = measured_split(engines, "throughput", "--instances")
+        instances, threads = choice.replicas, threads or choice.threads
     options = TritonRepoOptions(model_name=model_name, instances=instances, device=device, voices_dir=voices_dir,
                                 max_queue=max_queue, decoupled=decoupled, threads=threads, python_path=python_path,
                                 request_timeout_s=request_timeout_s, max_concurrent=max_concurrent,
@@ -73,15 +77,13 @@ def ray_serve_options(serve_command):
     the app runs as a Ray Serve deployment instead of one uvicorn process."""
 
     @functools.wraps(serve_command)
-    def serve(ray: bool, replicas: int | None, autoscale: str | None, ray_address: str | None, **options):
+    def serve(ray: bool, replicas: int | str | None, autoscale: str | None, ray_address: str | None, **options):
         if not ray:
             if replicas is not None or autoscale is not None or ray_address is not None:
                 raise click.UsageError("--replicas, --autoscale and --ray-address go with --ray.")
             return serve_command(**options)
         if replicas is not None and autoscale is not None:
             raise click.UsageError("pass only one of --replicas, --autoscale.")
-        if options.get("deterministic") is not None:
-            raise click.UsageError("--deterministic/--no-deterministic are not passed to Ray replicas (they use the default).")
         if options.get("workers") is not None:
             raise click.UsageError("--workers is for one machine without Ray; with --ray use --replicas.")
         if options.get("engines") is None:
@@ -94,11 +96,15 @@ def ray_serve_options(serve_command):
             require(module, "ray")
         from ..serving.ray_app import RayServeOptions, run_ray_serve
 
+        threads = options.get("threads")
+        if replicas == "auto":
+            choice = measured_split(options["engines"], "throughput", "--replicas")
+            replicas, threads = choice.replicas, threads or choice.threads
         run_ray_serve(RayServeOptions(
             engines=Path(options["engines"]), voices_dir=options.get("voices_dir"), host=options["host"],
-            port=options["port"], threads=options.get("threads"), max_concurrent=options["max_concurrent"],
+            port=options["port"], threads=threads, max_concurrent=options["max_concurrent"],
             max_queue=options["max_queue"], request_timeout_s=options["timeout_s"], replicas=replicas or 1,
-            autoscale=_autoscale(autoscale), ray_address=ray_address,
+            autoscale=_autoscale(autoscale), ray_address=ray_address, deterministic=options.get("deterministic"),
             settings={"max_segment_tokens": options["max_segment_tokens"], "work_admission": options["work_admission"]}
             | ({"api_key": options["api_key"]} if options.get("api_key") else {})
             | ({"default_voice": options["default_voice"]} if options.get("default_voice") else {})
@@ -115,7 +121,9 @@ def ray_serve_options(serve_command):
 
     for option in reversed((
         click.option("--ray", is_flag=True, help="Serve as a Ray Serve deployment (one engine per replica)."),
-        click.option("--replicas", type=click.IntRange(min=1), default=None, help="--ray: replicas (default 1)."),
+        click.option("--replicas", type=CountOrAuto(), default=None,
+                     help="--ray: replicas (default 1); auto: as `trt-cosy tune-threads` measured best for "
+                          "throughput on this machine."),
         click.option("--autoscale", default=None, metavar="MIN:MAX", help="--ray: autoscale between MIN and MAX."),
         click.option("--ray-address", default=None,
                      help="--ray: a running cluster (ray://host:10001 or auto); default: a local Ray."),
@@ -135,10 +143,12 @@ def ray_serve_options(serve_command):
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of stored voices (default: the trt-cosy cache, voices/<model id>).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads per graph (default: the usable cores, or a worker's share of them).")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="CPU threads per graph (default: the usable cores, or a worker's share of them; one engine: "
+                   "what `trt-cosy tune-threads` measured faster here, if it did).")
+@click.option("--workers", type=CountOrAuto(), default=None,
               help="Server processes behind the one port, each pinned to its own whole cores (one thread per "
-                   "core, within one NUMA node where they fit). Default: one process, unpinned.")
+                   "core, within one NUMA node where they fit). auto: the split `trt-cosy tune-threads` "
+                   "measured best for throughput here. Default: one process.")
 @click.option("--max-concurrent", type=click.IntRange(min=1), default=1, show_default=True,
               help="Syntheses running at once.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=8, show_default=True,
@@ -167,7 +177,7 @@ def ray_serve_options(serve_command):
 @backend_option()
 @ray_serve_options
 def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, voices_dir: Path | None,
-          threads: int | None, workers: int | None, max_concurrent: int, max_queue: int, timeout_s: float,
+          threads: int | None, workers: int | str | None, max_concurrent: int, max_queue: int, timeout_s: float,
           api_key: str | None, stream_speech: bool, max_segment_tokens: int, deterministic: bool | None,
           work_admission: bool, default_voice: str | None, voice_aliases: tuple[str, ...], backend: str) -> None:
     """Serve an OpenAI-compatible speech API (POST /v1/audio/speech) with stored voices."""
@@ -186,15 +196,21 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--voice-alias") from None
     engines = engines_or_model_dir(engines, model_dir, backend)
+    pinned = False
+    if workers == "auto":
+        choice = measured_split(engines, "throughput", "--workers")
+        workers, threads, pinned = choice.replicas, threads or choice.threads, choice.pinned
+    elif threads is None and (workers or 1) == 1:
+        threads, pinned = _one_engine_split(engines)
     if workers is not None and workers > 1:
-        if deterministic is not None:
-            raise click.UsageError("--deterministic/--no-deterministic are not passed to --workers processes yet.")
         _serve_workers(engines, backend, workers, threads, dict(
             voices_dir=voices_dir, host=host, port=port, max_concurrent=max_concurrent, max_queue=max_queue,
             request_timeout_s=timeout_s, api_key=api_key, stream_speech=stream_speech,
             max_segment_tokens=max_segment_tokens, work_admission=work_admission,
-        ))
+        ), deterministic)
         return
+    if pinned:
+        _pin_one_engine(threads)
     # The shared LLM decode loop gets one KV slot per synthesis the server runs at once.
     config = EngineConfig(threads=threads, llm_slots=max_concurrent, deterministic=deterministic)
     tts = CosyVoice.load(engines, backend=backend, config=config)
@@ -209,7 +225,29 @@ def serve(engines: Path | None, model_dir: Path | None, host: str, port: int, vo
     run_server(tts, settings)
 
 
-def _serve_workers(engines: Path, backend: str, workers: int, threads: int | None, settings: dict) -> None:
+def _one_engine_split(engines: Path) -> tuple[int | None, bool]:
+    """(threads, pinned) of one engine alone: the default (None, unpinned) unless `trt-cosy tune-threads`
+    measured another single-engine split faster on this machine."""
+    from ..runtime.thread_plan import ONE_ENGINE, planned_split
+
+    choice = planned_split(engines, ONE_ENGINE)
+    if choice is None or choice.default:
+        return None, False
+    click.echo(f"one engine: {choice.threads} thread(s){', pinned' if choice.pinned else ''}, measured faster "
+               f"here than the default ({choice.reason})", err=True)
+    return choice.threads, choice.pinned
+
+
+def _pin_one_engine(threads: int | None) -> None:
+    from ..runtime.cpu_budget import format_cpu_list, pin_process, read_budget
+
+    slot = read_budget().plan(1, threads).slots[0]
+    pin_process(slot.cpus)
+    click.echo(f"pinned to CPUs {format_cpu_list(slot.cpus)}", err=True)
+
+
+def _serve_workers(engines: Path, backend: str, workers: int, threads: int | None, settings: dict,
+                   deterministic: bool | None = None) -> None:
     """``serve --workers N``: N pinned processes on one port (``server.workers``); exits with their error."""
     from ..server.workers import run_workers, worker_plan
 
@@ -217,13 +255,15 @@ def _serve_workers(engines: Path, backend: str, workers: int, threads: int | Non
     click.echo(f"serving {engines} on http://{settings['host']}:{settings['port']} with {workers} workers "
                f"(Ctrl-C stops): {plan.describe()}", err=True)
     code = run_workers(plan, settings["host"], settings["port"], _serve_worker,
-                       {"engines": str(engines), "backend": backend, "settings": settings},
+                       {"engines": str(engines), "backend": backend, "settings": settings,
+                        "deterministic": deterministic},
                        progress=lambda message: click.echo(message, err=True))
     if code:
         raise SystemExit(code)
 
 
-def _serve_worker(threads: int, sock, busy, index: int, engines: str, backend: str, settings: dict) -> None:
+def _serve_worker(threads: int, sock, busy, index: int, engines: str, backend: str, settings: dict,
+                  deterministic: bool | None = None) -> None:
     """One ``--workers`` process (already pinned): load the engines with ``threads`` and serve ``sock``."""
     from ..download import cache_root
     from ..server import ServerSettings
@@ -232,7 +272,8 @@ def _serve_worker(threads: int, sock, busy, index: int, engines: str, backend: s
     from ..tts import CosyVoice
 
     tts = CosyVoice.load(engines, backend=backend,
-                         config=EngineConfig(threads=threads, llm_slots=settings["max_concurrent"]))
+                         config=EngineConfig(threads=threads, llm_slots=settings["max_concurrent"],
+                                             deterministic=deterministic))
     settings = dict(settings)
     settings["voices_dir"] = settings["voices_dir"] or cache_root() / "voices" / tts.model_id
     serve_app_worker(tts, ServerSettings(**settings), sock, busy, index)

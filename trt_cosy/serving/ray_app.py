@@ -55,6 +55,8 @@ class RayServeOptions:
     """A running cluster's address; None: start a local Ray bound to ``host``."""
     settings: Mapping[str, Any] = field(default_factory=dict)
     """More ``ServerSettings`` fields (``model_name``, ``max_input_chars``...)."""
+    deterministic: bool | None = None
+    """``EngineConfig.deterministic`` of every replica's engine (None: its default)."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -109,7 +111,7 @@ class TrtCosyReplica:
     """One replica: the loaded engine and the app around it (Ray builds the app after ``__init__``)."""
 
     def __init__(self, engines: str, settings: dict[str, Any], threads: int | None,
-                 cpu: dict[str, Any] | None = None):
+                 cpu: dict[str, Any] | None = None, engine: dict[str, Any] | None = None):
         from ..runtime.manifest import Manifest
         from ..synthesis import EngineConfig
         from ..tts import CosyVoice
@@ -120,8 +122,9 @@ class TrtCosyReplica:
 
             slot = pin_replica(cpu["replicas"], cpu["threads"], cpu["key"])
             threads = slot.threads if slot is not None else cpu["threads"]
+        # ``engine``: more EngineConfig fields (the KV slots of the shared decode loop, deterministic)
         self.tts = CosyVoice.load(engines, backend=Manifest.read(Path(engines)).backend,
-                                  config=EngineConfig(threads=threads))
+                                  config=EngineConfig(threads=threads, **(engine or {})))
         self.settings = dict(settings)
         self.name = f"{os.getpid()}@{_replica_id()}"
         _LOGGER.info("replica %s loaded %s in %.1f s", self.name, self.tts.model_id, time.perf_counter() - started)
@@ -184,7 +187,9 @@ def deployment_for(options: RayServeOptions) -> Any:
         **backpressure(options),
         **scale,
     )
-    return deployment.bind(str(engines), settings, options.threads, cpu)
+    # One KV slot of the shared decode loop per synthesis a replica runs at once, as `trt-cosy serve`.
+    engine = {"llm_slots": options.max_concurrent, "deterministic": options.deterministic}
+    return deployment.bind(str(engines), settings, options.threads, cpu, engine)
 
 
 def backpressure(options: RayServeOptions) -> dict[str, int]:
