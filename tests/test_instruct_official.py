@@ -8,8 +8,8 @@ The official runs used an argmax sampler (the official eos mask still applied) a
 draws; here ``synthesize(text, voice, config=SynthesisConfig(instruct=..., stream=..., speed=...))`` runs
 with trt-cosy's ``greedy_sample`` and the regenerated draws. Text and instruction token ids, flow prompt
 tokens and the LLM's speech tokens must be identical; the embedding within 1e-3, each chunk's flow mel
-within 2e-4 and the audio within 1e-3 (golden README §3), streamed, not streamed and at speed 2 (the
-official speed path: the whole mel stretched before the vocoder). The server's ``instructions`` and
+within 2e-4 and the audio within 1e-3 (golden README §3), streamed, not streamed and at speeds 2 and 0.5
+(the official speed path: the whole mel stretched before the vocoder). The server's ``instructions`` and
 ``speed`` fields (``POST /v1/audio/speech``) give the same audio (CosyVoice2).
 """
 
@@ -119,7 +119,7 @@ def test_instruct_inputs_are_the_official_frontend(setups, family):
     np.testing.assert_allclose(voice.speaker_embedding, golden["embedding"], atol=EMBEDDING_TOLERANCE)
 
 
-@pytest.mark.parametrize("run", ["nonstream", "stream", "speed2"])
+@pytest.mark.parametrize("run", ["nonstream", "stream", "speed2", "speed0.5"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_instruct_matches_the_official_run(setups, family, run, monkeypatch):
     tts, golden, voice = setups(family)
@@ -170,7 +170,7 @@ class _OfficialSamplingTTS:
         return CancellableChunks(request)
 
 
-@pytest.mark.parametrize("run", ["nonstream", "speed2"])
+@pytest.mark.parametrize("run", ["nonstream", "speed2", "speed0.5"])
 def test_server_speech_instructions_and_speed_match_the_official_run(setups, run, tmp_path):
     """``POST /v1/audio/speech`` with OpenAI's ``instructions`` and ``speed``: the official audio."""
     pytest.importorskip("fastapi")

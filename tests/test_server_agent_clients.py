@@ -45,7 +45,19 @@ av = pytest.importorskip("av", reason="streamed mp3 needs PyAV (the [codecs] ext
 wavs, torch_tts, alice, voices_dir, scripted = scripted_server_fixtures("agents")
 
 PIPECAT_VOICES = (
-    "alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage", "shimmer", "verse"
+    "alloy",
+    "ash",
+    "ballad",
+    "cedar",
+    "coral",
+    "echo",
+    "fable",
+    "marin",
+    "nova",
+    "onyx",
+    "sage",
+    "shimmer",
+    "verse",
 )
 
 
@@ -55,7 +67,12 @@ def mp3_samples(data: bytes) -> int:
 
 
 async def livekit_synthesize(
-    base_url: str, text: str, voice: str, model: str = "cosyvoice2", read_timeout_s: float = 30.0, on_audio=None
+    base_url: str,
+    text: str,
+    voice: str,
+    model: str = "cosyvoice2",
+    read_timeout_s: float = 30.0,
+    on_audio=None,
 ) -> dict:
     """LiveKit's ``ChunkedStream._run``, its request and its parsing, with its clients and timeouts."""
     client = openai.AsyncClient(
@@ -104,7 +121,9 @@ async def livekit_synthesize(
     return {"media_type": media_type, "request_id": request_id, "audio": bytes(audio), "usage": usage}
 
 
-async def pipecat_run_tts(base_url: str, text: str, voice: str, speed: float | None = None, on_audio=None) -> bytes:
+async def pipecat_run_tts(
+    base_url: str, text: str, voice: str, speed: float | None = None, on_audio=None
+) -> bytes:
     """Pipecat's ``OpenAITTSService.run_tts``: the voice check, the request and the PCM reading."""
     if voice not in PIPECAT_VOICES:
         raise ValueError(f"OpenAI TTS voice {voice!r} is not supported")
@@ -169,7 +188,9 @@ def test_pipecat_with_an_openai_voice_name_gets_streamed_pcm(torch_tts, voices_d
     holding = HoldsLastChunk(torch_tts, chunks=8)
     with running_server(holding, voices_dir, warmup=False, default_voice="alice") as url:
         wait_ready(url)
-        pcm = asyncio.run(pipecat_run_tts(url + "/v1", "Hello there.", "alloy", on_audio=holding.client_had_audio.set))
+        pcm = asyncio.run(
+            pipecat_run_tts(url + "/v1", "Hello there.", "alloy", on_audio=holding.client_had_audio.set)
+        )
     assert holding.held == [True], "no audio reached Pipecat before the synthesis ended"
     expected = np.full(8 * SAMPLE_RATE // 10, round(0.1 * 32767), np.int16)  # the script's samples
     np.testing.assert_array_equal(np.frombuffer(pcm, "<i2"), expected)
@@ -185,3 +206,60 @@ def test_pipecat_speed_and_an_unmapped_voice(scripted, voices_dir):
         pcm = asyncio.run(pipecat_run_tts(url + "/v1", "Hello there.", "nova", speed=1.2))
     assert len(pcm) == 2 * 3 * SAMPLE_RATE // 10
     assert scripted.requests[-1]["config"].speed == 1.2
+
+
+# ----------------------------------------------------------------------------- the real LiveKit plugin
+# livekit-plugins-openai installs beside the test extras without changing any of their packages, so [test]
+# has it and the plugin itself is driven here. Pipecat is not: pipecat-ai 1.14 pins soundfile~=0.13.1 and
+# soxr~=1.0.0, older than the ones trt-cosy's extras install; its request is replayed above, and
+# examples/agents/pipecat_tts.py drives it in its own environment.
+
+
+async def livekit_plugin_synthesize(base_url: str, text: str, voice: str, on_audio=None) -> dict:
+    """``openai.TTS(...).synthesize(text)`` of livekit-plugins-openai with its defaults (mp3, and
+    ``stream_format: "sse"`` for a model other than tts-1), as an agent calls it."""
+    plugin = pytest.importorskip(
+        "livekit.plugins.openai",
+        reason="LiveKit's OpenAI plugin (livekit-plugins-openai, in the [test] extra)",
+    )
+    tts = plugin.TTS(base_url=base_url, api_key="sk-livekit", model="cosyvoice2", voice=voice)
+    samples, request_ids, rates = 0, set(), set()
+    try:
+        async for event in tts.synthesize(text):
+            samples += event.frame.samples_per_channel
+            request_ids.add(event.request_id)
+            rates.add(event.frame.sample_rate)
+            if on_audio is not None:
+                on_audio()
+    finally:
+        await tts.aclose()
+    return {"samples": samples, "request_ids": request_ids, "rates": rates}
+
+
+def test_the_livekit_plugin_with_its_defaults_hears_audio_before_the_synthesis_ends(torch_tts, voices_dir):
+    holding = HoldsLastChunk(torch_tts, chunks=8)
+    with running_server(holding, voices_dir, warmup=False) as url:
+        wait_ready(url)
+        heard = asyncio.run(
+            livekit_plugin_synthesize(
+                url + "/v1", "Hello there.", "alice", on_audio=holding.client_had_audio.set
+            )
+        )
+    assert holding.held == [True], "no audio reached the LiveKit plugin before the synthesis ended"
+    assert holding.requests[0]["config"].stream  # the engine streamed (sse, mp3)
+    assert (
+        heard["rates"] == {SAMPLE_RATE} and len(heard["request_ids"]) == 1 and "" not in heard["request_ids"]
+    )
+    # decoded by LiveKit's own mp3 decoder: the script's 0.8 s, give or take LAME's delay and last frame
+    assert 8 * SAMPLE_RATE // 10 - 2 * 1152 <= heard["samples"] <= 8 * SAMPLE_RATE // 10 + 2 * 1152, heard
+
+
+def test_a_long_answer_reaches_the_livekit_plugin_whole(torch_tts, voices_dir):
+    """A long answer (60 chunks, one every 0.1 s) through the plugin's mp3 events, unchanged timeouts: all
+    of it arrives, once (the plugin retries on a timeout, which would synthesise it again)."""
+    slow = RecordingTTS(torch_tts, scripted_chunks=60, delay_s=0.1)
+    with running_server(slow, voices_dir, warmup=False) as url:
+        wait_ready(url)
+        heard = asyncio.run(livekit_plugin_synthesize(url + "/v1", "Hello there. " * 16, "alice"))
+    assert len(slow.requests) == 1 and slow.requests[0]["finished"]
+    assert 6 * SAMPLE_RATE - 2 * 1152 <= heard["samples"] <= 6 * SAMPLE_RATE + 2 * 1152, heard

@@ -23,6 +23,7 @@ from _server_support import (  # noqa: E402  (skips the module without the serve
     RecordingTTS,
     assert_error,
     httpx,
+    metric_value,
     running_server,
     scripted_server_fixtures,
     upload_voice,
@@ -92,7 +93,9 @@ def test_every_format_streams_in_events_and_as_audio(scripted, voices_dir, name)
         wait_ready(url)
         body = {**GOOD, "response_format": name, "seed": 1}
         audio = httpx.post(url + SPEECH, json=body, timeout=60)
-        with httpx.stream("POST", url + SPEECH, json={**body, "stream_format": "sse"}, timeout=60) as response:
+        with httpx.stream(
+            "POST", url + SPEECH, json={**body, "stream_format": "sse"}, timeout=60
+        ) as response:
             assert response.status_code == 200, response.read()
             assert response.headers["content-type"].startswith("text/event-stream")
             assert response.headers["cache-control"] == "no-cache" and response.headers["x-request-id"]
@@ -101,7 +104,9 @@ def test_every_format_streams_in_events_and_as_audio(scripted, voices_dir, name)
     assert [event["type"] for event in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1), events
     assert events[-1]["type"] == "speech.audio.done", events[-1]
     usage = events[-1]["usage"]
-    assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert (
+        usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    )
     joined = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
     assert all(record["config"].stream for record in scripted.requests), "the engine streamed"
     pcm_samples = 3 * SAMPLE_RATE // 10  # the script: three 0.1 s chunks
@@ -121,13 +126,54 @@ def test_compressed_formats_send_audio_before_the_synthesis_ends(torch_tts, voic
     with running_server(holding, voices_dir, warmup=False) as url:
         wait_ready(url)
         received = b""
-        with httpx.stream("POST", url + SPEECH, json={**GOOD, "response_format": name}, timeout=60) as response:
+        with httpx.stream(
+            "POST", url + SPEECH, json={**GOOD, "response_format": name}, timeout=60
+        ) as response:
             assert response.status_code == 200
             for piece in response.iter_bytes():
                 received += piece
                 holding.client_had_audio.set()
     assert holding.held == [True]
     assert_length_matches(name, received, 8 * SAMPLE_RATE // 10)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_the_first_chunks_head_is_encoded_alone_and_carries_audio(name):
+    """The first bytes leave after a short head of the first chunk is encoded, and they already hold
+    decodable audio (not just a container header), whatever the codec's frame and delay."""
+    from trt_cosy.server.audio_stream import FIRST_PIECE_S, first_pieces
+    from trt_cosy.server.streaming_encoders import open_encoder
+
+    samples = (0.3 * np.sin(np.arange(2 * SAMPLE_RATE) * 0.05)).astype(np.float32)  # 2 s: [48000]
+    chunk = AudioChunk(samples, SAMPLE_RATE, 0, False, {}, "")
+    encoder = open_encoder(name, SAMPLE_RATE)
+    head, rest = first_pieces(encoder, chunk)
+    assert head.shape == (int(FIRST_PIECE_S * SAMPLE_RATE),) and np.array_equal(
+        np.concatenate([head, rest]), samples
+    )
+    first = encoder.encode(head)
+    heard, rate = decoded(first)
+    assert heard.shape[0] * SAMPLE_RATE // rate >= SAMPLE_RATE // 20, (
+        name,
+        heard.shape,
+    )  # 50 ms of audio at least
+    whole = first + encoder.encode(rest) + encoder.finish()
+    assert_length_matches(name, whole, samples.shape[0])
+    assert encoder.cpu_s > 0
+    pcm = open_encoder("pcm", SAMPLE_RATE)
+    assert first_pieces(pcm, chunk) == [samples]  # nothing to gain for pcm
+
+
+def test_encoding_cpu_is_counted_by_format(scripted, voices_dir):
+    with running_server(scripted, voices_dir, warmup=False) as url:
+        wait_ready(url)
+        for name in ("mp3", "pcm"):
+            response = httpx.post(url + SPEECH, json={**GOOD, "response_format": name}, timeout=60)
+            assert response.status_code == 200, response.text
+        metrics = httpx.get(url + "/metrics").text
+    mp3 = metric_value(metrics, "trt_cosy_encode_cpu_seconds_total", format="mp3")
+    pcm = metric_value(metrics, "trt_cosy_encode_cpu_seconds_total", format="pcm")
+    assert 0 < mp3 < 5 and 0 <= pcm < mp3, (mp3, pcm)
 
 
 def test_sse_reports_a_failure_midway_as_an_error_event(torch_tts, voices_dir):
@@ -218,8 +264,9 @@ def test_streamed_formats_have_the_length_of_pcm_for_the_same_seed(ort_served):
         streamed = httpx.post(url + SPEECH, json={**body, "response_format": name}, timeout=120)
         assert streamed.status_code == 200, streamed.text
         assert_length_matches(name, streamed.content, pcm_samples)
-    with httpx.stream("POST", url + SPEECH, json={**body, "response_format": "flac", "stream_format": "sse"},
-                      timeout=120) as response:
+    with httpx.stream(
+        "POST", url + SPEECH, json={**body, "response_format": "flac", "stream_format": "sse"}, timeout=120
+    ) as response:
         events = sse_events(response.iter_lines())
     assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0, events[-1]
     flac = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
@@ -227,6 +274,44 @@ def test_streamed_formats_have_the_length_of_pcm_for_the_same_seed(ort_served):
     expected = np.frombuffer(pcm.content, "<i2").astype(np.float32) / 32767  # [N]
     assert samples.shape == expected.shape  # lossless: the very samples of pcm
     assert np.abs(samples - expected).max() <= 1.5 / 32767
+
+
+@pytest.mark.slow
+def test_an_sse_client_that_leaves_stops_the_real_engine_within_a_second(ort_served):
+    """The tiny engines speak a long text for many seconds; the client reads one delta and hangs up: the
+    synthesis (LLM thread, flow, vocoder) has stopped and freed its slot within a second."""
+    url = ort_served
+    text = "Hello there, how are you? " * 6
+    body = {
+        "model": "gpt-4o-mini-tts",
+        "input": text,
+        "voice": "alice",
+        "response_format": "mp3",
+        "stream_format": "sse",
+        "seed": 3,
+    }
+
+    def cancelled() -> float:
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        return metric_value(metrics, "trt_cosy_syntheses_cancelled_total", reason="disconnect")
+
+    before = cancelled()
+    with httpx.stream("POST", url + SPEECH, json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                assert json.loads(line[6:])["type"] == "speech.audio.delta"
+                break
+        left_at = time.perf_counter()
+    while cancelled() == before and time.perf_counter() - left_at < 10:
+        time.sleep(0.02)
+    stopped_after = time.perf_counter() - left_at
+    assert cancelled() == before + 1, "the synthesis ran on after the client left"
+    assert stopped_after <= 1.0, f"the synthesis stopped {stopped_after:.2f} s after the client left"
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert metric_value(metrics, "trt_cosy_active_requests") == 0
+    after = httpx.post(url + SPEECH, json={**body, "input": "Hi.", "stream_format": "audio"}, timeout=120)
+    assert after.status_code == 200 and after.content  # the next request is served as usual
 
 
 def test_without_pyav_aac_names_the_extra_and_the_others_come_whole(scripted, voices_dir, monkeypatch):
@@ -257,7 +342,9 @@ def test_speed_and_instructions_reach_the_engine(scripted, voices_dir):
         wait_ready(url)
         fast = httpx.post(url + SPEECH, json={**GOOD, "speed": 1.5, "response_format": "mp3"}, timeout=60)
         styled = httpx.post(
-            url + SPEECH, json={**GOOD, "instructions": "Speak cheerfully.", "stream_format": "sse"}, timeout=60
+            url + SPEECH,
+            json={**GOOD, "instructions": "Speak cheerfully.", "stream_format": "sse"},
+            timeout=60,
         )
         simple = httpx.post(
             url + "/tts",

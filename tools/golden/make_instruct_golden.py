@@ -8,7 +8,7 @@ Command (from the repository root; the official environment of tools/golden/offi
 Official code: FunAudioLLM/CosyVoice ace7c47f41bbd303aa6bf1ea80e6f9fbd595cd40, Matcha-TTS
 dd9105b34bf2be2230f4aa1e4769fb586a3c824e; torch 2.13.0 CPU, fp32, 2 threads. The official ``CosyVoice2``
 (official constructor) runs ``inference_instruct2(TEXT, INSTRUCT, target, stream=False)``, ``(...,
-stream=True)`` and ``(..., stream=False, speed=2.0)``, the official ``CosyVoice`` (v1, the
+stream=True)``, ``(..., stream=False, speed=2.0)`` and ``(..., stream=False, speed=0.5)``, the official ``CosyVoice`` (v1, the
 CosyVoice-300M-Instruct call) ``inference_instruct(TEXT, SPEAKER, INSTRUCT, ...)`` likewise, with the
 LLM's sampler replaced by argmax
 (``Qwen2LM.sampling``: the official eos mask of ``sampling_ids`` still applies, golden README §2.2), on
@@ -46,7 +46,7 @@ TEXT = {"v1": "Hi there.", "v2": "Hi."}  # 6 and 3 test-tokenizer tokens
 INSTRUCT = "Speak slowly and warmly.<|endofprompt|>"
 SPEAKER = "英文男"  # v1: a preset speaker of the tiny checkpoint's spk2info.pt
 WAV_STRIDE = {"v1": 4, "v2": 2}
-RUNS = (("nonstream", False, 1.0), ("stream", True, 1.0), ("speed2", False, 2.0))
+RUNS = (("nonstream", False, 1.0), ("stream", True, 1.0), ("speed2", False, 2.0), ("speed0.5", False, 0.5))
 MEL_STRIDE = {"v1": 4, "v2": 2}
 THREADS = 2
 OUT = env.DATA / "instruct"

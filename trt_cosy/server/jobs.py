@@ -65,6 +65,11 @@ class SynthesisJob:
         self._cancel_reason: str | None = None
 
     @property
+    def metrics(self) -> Metrics:
+        """Where this job's request is counted (the app's metrics)."""
+        return self._metrics
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

@@ -60,6 +60,12 @@ class Metrics:
             **common,
         )
         self.audio_seconds = Counter("audio_seconds", "Seconds of audio synthesised.", **common)
+        self.encode_cpu = Counter(
+            "encode_cpu_seconds",
+            "CPU seconds spent encoding streamed answers, by response format.",
+            ("format",),
+            **common,
+        )
         self.cancelled = Counter(
             "syntheses_cancelled", "Syntheses stopped early, by reason.", ("reason",), **common
         )
@@ -107,9 +113,7 @@ class Metrics:
             ("mode",),
             **common,
         )
-        self.speech_text_ratio = Gauge(
-            "speech_text_ratio", "Learnt speech tokens per text token.", **common
-        )
+        self.speech_text_ratio = Gauge("speech_text_ratio", "Learnt speech tokens per text token.", **common)
 
 
 def exposition_for(metrics: Metrics, accept: str) -> tuple[bytes, str]:

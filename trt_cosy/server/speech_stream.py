@@ -38,6 +38,7 @@ from ..errors import InputError
 from ..stages.bistream import TextStream
 from ..synthesis import SynthesisConfig
 from .audio_encoding import check_format
+from .audio_stream import count_encoding, encoded, finished, first_pieces
 from .auth import WS_KEY_PREFIX
 from .errors import APIError, error_body
 from .jobs import SynthesisJob
@@ -321,23 +322,22 @@ class _Session:
         assert job is not None
         try:
             while (chunk := await job.next()) is not None:
-                if encoder.costly:
-                    data = await anyio.to_thread.run_sync(encoder.encode, chunk.samples)
-                else:
-                    data = encoder.encode(chunk.samples)
+                pieces = first_pieces(encoder, chunk) if playback.chunks == 0 else [chunk.samples]
                 playback.sent(time.perf_counter(), chunk.duration)
-                if data:
-                    await self.ws.send_bytes(data)
+                for samples in pieces:
+                    if data := await encoded(encoder, samples):
+                        await self.ws.send_bytes(data)
             if job.cancelled:
                 return
-            tail = encoder.finish()
-            if tail:
+            if tail := await finished(encoder):
                 await self.ws.send_bytes(tail)
         except APIError as error:  # the request timeout
             self.failure = self.failure or StreamError.of(error)
         except WebSocketDisconnect:
             self.gone = True
             job.cancel("disconnect")
+        finally:
+            count_encoding(job, encoder)
 
     def _done(self, playback: _Playback) -> dict[str, Any]:
         text = self.text

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fractions
 import io
 import logging
+import time
 from typing import Final
 
 import numpy as np
@@ -47,7 +48,13 @@ CODECS_EXTRA: Final = "codecs"
 # response_format -> (FFmpeg muxer, encoder, bit rate or None, muxer options, encoder options)
 _CODECS: Final[dict[str, tuple[str, str, int | None, dict[str, str], dict[str, str]]]] = {
     # No ID3 tag and no Xing frame: a plain run of MPEG frames, decodable from any point of the stream.
-    "mp3": ("mp3", "libmp3lame", 64000, {"id3v2_version": "0", "write_xing": "0"}, {"compression_level": "7"}),
+    "mp3": (
+        "mp3",
+        "libmp3lame",
+        64000,
+        {"id3v2_version": "0", "write_xing": "0"},
+        {"compression_level": "7"},
+    ),
     # page_duration (microseconds): a page is written every 100 ms of audio, not every second.
     "opus": ("ogg", "libopus", 48000, {"page_duration": "100000"}, {}),
     "aac": ("adts", "aac", 64000, {}, {}),
@@ -67,28 +74,51 @@ def streams_incrementally(name: str) -> bool:
 
 
 class AudioEncoder:
-    """Turns float32 chunks (mono, [-1, 1]) into the bytes of one response, front to back."""
+    """Turns float32 chunks (mono, [-1, 1]) into the bytes of one response, front to back.
+
+    Subclasses implement ``_encode`` and ``_finish``; ``encode``/``finish`` add up the CPU time they
+    take in ``cpu_s`` (the calling thread's, ``time.thread_time``: what encoding costs the machine,
+    whichever thread ran it), which the server exports per format (``trt_cosy_encode_cpu_seconds``).
+    """
 
     costly = False
     """Whether ``encode``/``finish`` take long enough to belong in a worker thread."""
+    cpu_s = 0.0
+    """CPU seconds spent in ``encode`` and ``finish`` so far."""
+    format = ""
+    """The response format (set by ``open_encoder``)."""
 
     def encode(self, samples: np.ndarray) -> bytes:
         """The bytes ready after ``samples`` (float32 [N]); may be empty while the encoder fills a frame."""
-        raise NotImplementedError
+        started = time.thread_time()
+        try:
+            return self._encode(samples)
+        finally:
+            self.cpu_s += time.thread_time() - started
 
     def finish(self) -> bytes:
         """Everything still held (the encoder's delay, the last frame, the container's end)."""
-        raise NotImplementedError
+        started = time.thread_time()
+        try:
+            return self._finish()
+        finally:
+            self.cpu_s += time.thread_time() - started
 
     def close(self) -> None:
         """Free the encoder without finishing (a stream that ended early); idempotent."""
 
+    def _encode(self, samples: np.ndarray) -> bytes:
+        raise NotImplementedError
+
+    def _finish(self) -> bytes:
+        raise NotImplementedError
+
 
 class _PCMEncoder(AudioEncoder):
-    def encode(self, samples: np.ndarray) -> bytes:
+    def _encode(self, samples: np.ndarray) -> bytes:
         return pcm16(samples)
 
-    def finish(self) -> bytes:
+    def _finish(self) -> bytes:
         return b""
 
 
@@ -98,11 +128,11 @@ class _WAVEncoder(_PCMEncoder):
     def __init__(self, sample_rate: int):
         self._header: bytes | None = wav_header(sample_rate)
 
-    def encode(self, samples: np.ndarray) -> bytes:
+    def _encode(self, samples: np.ndarray) -> bytes:
         header, self._header = self._header or b"", None
         return header + pcm16(samples)
 
-    def finish(self) -> bytes:
+    def _finish(self) -> bytes:
         header, self._header = self._header or b"", None
         return header
 
@@ -117,11 +147,11 @@ class _WholeFileEncoder(AudioEncoder):
         self._sample_rate = sample_rate
         self._pieces: list[np.ndarray] = []
 
-    def encode(self, samples: np.ndarray) -> bytes:
+    def _encode(self, samples: np.ndarray) -> bytes:
         self._pieces.append(samples)
         return b""
 
-    def finish(self) -> bytes:
+    def _finish(self) -> bytes:
         samples = np.concatenate(self._pieces) if self._pieces else np.zeros(0, np.float32)  # [N]
         self._pieces = []
         return encode_audio(samples, self._sample_rate, self._name)
@@ -175,7 +205,7 @@ class _CodecEncoder(AudioEncoder):
         self._samples_in = 0
         self._closed = False
 
-    def encode(self, samples: np.ndarray) -> bytes:
+    def _encode(self, samples: np.ndarray) -> bytes:
         import av
 
         if samples.size:
@@ -192,7 +222,7 @@ class _CodecEncoder(AudioEncoder):
             self._mux(frame)
         return self._sink.take()
 
-    def finish(self) -> bytes:
+    def _finish(self) -> bytes:
         self._mux(None)  # drains the encoder
         self.close()
         if self._file is not None:
@@ -215,20 +245,24 @@ def open_encoder(name: str, sample_rate: int) -> AudioEncoder:
     Raises:
         APIError: 400 naming the ``codecs`` extra when ``name`` needs PyAV and it is missing.
     """
+    encoder: AudioEncoder
     if name == "pcm":
-        return _PCMEncoder()
-    if name == "wav":
-        return _WAVEncoder(sample_rate)
-    if name in codec_formats():
-        return _CodecEncoder(name, sample_rate)
-    if name == "aac":
+        encoder = _PCMEncoder()
+    elif name == "wav":
+        encoder = _WAVEncoder(sample_rate)
+    elif name in codec_formats():
+        encoder = _CodecEncoder(name, sample_rate)
+    elif name == "aac":
         raise APIError(
             400,
             f"response_format 'aac' needs PyAV: pip install 'trt-cosy[{CODECS_EXTRA}]'.",
             "unsupported_format",
             "response_format",
         )
-    return _WholeFileEncoder(name, sample_rate)
+    else:
+        encoder = _WholeFileEncoder(name, sample_rate)
+    encoder.format = name
+    return encoder
 
 
 def encode_file(samples: np.ndarray, sample_rate: int, name: str) -> bytes:
