@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from click.testing import CliRunner
 
 from trt_cosy import InputError, SynthesisConfig
 from trt_cosy.cli import main
-from trt_cosy.conversion import SOURCE_RATE, WINDOW_SECONDS, pause_windows
+from trt_cosy.conversion import SOURCE_RATE, WINDOW_SECONDS, pause_windows, read_source
 
 pytest.importorskip("torch", reason="needs the [build] extra (torch) to build the tiny engines")
 
@@ -155,11 +156,47 @@ def test_bad_sources_are_refused_at_once_and_leave_no_file(tts, target, sources,
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name", ["tel8k", "stereo48k"])
-def test_8_khz_and_48_khz_stereo_sources_are_resampled_and_mixed_down(tts, target, sources, name):
+@pytest.mark.parametrize(("name", "level"), [("tel8k", 1.0), ("stereo48k", 0.75)])
+def test_8_khz_and_48_khz_stereo_sources_are_resampled_and_mixed_down(tts, target, sources, name, level):
+    # What the tokenizer gets: the 16 kHz speech again (stereo [s, 0.5 s] mixed down to 0.75 s).
+    speech, _ = soundfile.read(SPEECH, dtype="float32")
+    wav16k = read_source(sources[name])
+    assert wav16k.shape == speech.shape
+    assert np.corrcoef(wav16k, speech)[0, 1] > 0.97
+    assert np.std(wav16k) == pytest.approx(level * np.std(speech), rel=0.05)
     chunks = list(tts.convert(sources[name], target, seed=0))
     seconds = sum(chunk.samples.size for chunk in chunks) / tts.sample_rate
     assert abs(seconds - 4.36) <= 0.05 and np.all(np.isfinite(chunks[0].samples))
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("silent", "is silent"),
+        ("short", r"0\.10 s long; voice conversion needs at least 0\.5 s"),
+        ("corrupt", "could not read"),
+        ("tel8k", None),
+        ("stereo48k", None),
+    ],
+)
+def test_cli_convert_bad_and_odd_sources(tts, sources, name, message, tmp_path, monkeypatch):
+    """`trt-cosy convert`: a bad source is one `error:` line, status 2 and no file (nor a temporary one);
+    an 8 kHz or 48 kHz stereo source is converted."""
+    from trt_cosy import CosyVoice
+
+    monkeypatch.setattr(CosyVoice, "load", staticmethod(lambda *args, **kwargs: tts))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    args = ["convert", str(sources[name]), "--engines", str(tmp_path), "--ref", str(TARGET)]
+    result = CliRunner().invoke(main, [*args, "-o", str(out_dir / "converted.wav"), "--stream"])
+    if message is None:
+        assert result.exit_code == 0, result.output
+        assert soundfile.info(out_dir / "converted.wav").duration == pytest.approx(4.36, abs=0.05)
+        return
+    assert result.exit_code == 2, result.output
+    assert re.search(r"^error: .*" + message, result.output, re.MULTILINE), result.output
+    assert "Traceback" not in result.output
+    assert list(out_dir.iterdir()) == [], "files left behind"
 
 
 def test_source_forms_samples_int16_stereo_and_a_voice(tts, target):

@@ -64,14 +64,26 @@ def test_conversion_whole_and_streamed(tts, voices_dir):
         assert abs(pcm.size / 24000 - 4.36) <= 0.05
         # The same seed, whole or streamed: the same length (the official schedules differ in the audio).
         assert pcm.size == audio.size
+        # 8 kHz mono and 48 kHz stereo sources: resampled and mixed down, the same 4.36 s out.
+        speech, rate = soundfile.read(SOURCE, dtype="float32")
+        odd = {
+            "tel8k.wav": (speech[::2], 8000),
+            "st48k.wav": (np.repeat(np.stack([speech, 0.5 * speech], 1), 3, 0), 48000),
+        }
+        for name, (samples, odd_rate) in odd.items():
+            soundfile.write(voices_dir.parent / name, samples, odd_rate)
+            response = _post(url, voices_dir.parent / name, {"response_format": "pcm"})
+            assert response.status_code == 200, (name, response.text)
+            assert abs(len(response.content) / 2 / 24000 - 4.36) <= 0.05, name
     assert not list(voices_dir.glob(".staging-*")), "work files left behind"
 
 
 def test_bad_sources_limits_and_auth(tts, voices_dir, tmp_path):
     speech, rate = soundfile.read(SOURCE, dtype="float32")
-    names = ("s.wav", "c.wav", "h.flac", "st.wav")
-    silent, corrupt, long_flac, stereo48k = (tmp_path / name for name in names)
+    names = ("s.wav", "c.wav", "h.flac", "st.wav", "t.wav")
+    silent, corrupt, long_flac, stereo48k, tenth = (tmp_path / name for name in names)
     soundfile.write(silent, np.zeros(2 * rate, np.float32), rate)
+    soundfile.write(tenth, speech[rate : rate + rate // 10], rate)  # 0.1 s
     corrupt.write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage")
     soundfile.write(long_flac, np.zeros(3600 * 8000, np.int16), 8000)  # one hour, a small flac
     soundfile.write(stereo48k, np.repeat(np.stack([speech, 0.3 * speech], axis=1), 3, axis=0), 48000)
@@ -81,12 +93,17 @@ def test_bad_sources_limits_and_auth(tts, voices_dir, tmp_path):
         assert_error(_post(url, SOURCE), 401)
         assert_error(_post(url, SOURCE, {"voice": "nobody"}, key), 404)
         assert "silent" in assert_error(_post(url, silent, None, key), 400, "invalid_audio")["message"]
+        error = assert_error(_post(url, tenth, None, key), 400, "invalid_audio")
+        assert "0.10 s long; voice conversion needs at least 0.5 s" in error["message"], error
+        assert "tmp" not in error["message"] and "staging" not in error["message"]
         error = assert_error(_post(url, corrupt, None, key), 400, "invalid_audio")
         assert "tmp" not in error["message"] and "staging" not in error["message"]
+        assert "at least 0.5 s" in error["message"] and "3-10 s" not in error["message"], error
         error = assert_error(_post(url, long_flac, None, key), 400, "audio_too_long")
         assert "3600.0 s long; at most 300 s" in error["message"]
         assert_error(_post(url, SOURCE, {"response_format": "xyz"}, key), 400)
-        assert_error(_post(url, stereo48k, None, key), 413)  # 837 kB over the 600 kB limit
+        error = assert_error(_post(url, stereo48k, None, key), 413)  # 837 kB over the 600 kB limit
+        assert "larger than 600000 bytes" in error["message"] and "3-10 s" not in error["message"], error
         soundfile.write(stereo48k, np.repeat(speech, 2)[: 2 * rate * 2], 32000)  # 4 s mono 32 kHz: fits
         response = _post(url, stereo48k, None, key)
         assert response.status_code == 200, response.text

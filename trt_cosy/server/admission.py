@@ -181,6 +181,30 @@ class SpeedModel:
         self._set_speed(streaming, seconds / self.work_tokens(speech_tokens, streaming, segments))
         self.observe_ratio(text_tokens, speech_tokens)
 
+    def calibrate_alone(self, runs: Sequence[tuple[bool, int, float, float, int]]) -> None:
+        """Requests measured alone (the warm-up), each ``(streaming, text_tokens, speech_tokens, seconds,
+        segments)``; replaces what a mode's earlier calibration set.
+
+        The one-segment non-streamed runs teach the fixed cost per segment (two lengths give the line).
+        Each mode's seconds per token is its longest run's time over its speech tokens, fixed cost
+        included: a segment's cost per token grows with its length (attention over the utterance, a
+        longer KV cache), so the warm-up's short texts understate long segments by the line's slope
+        and overstate them by the shortest text's rate (measured on the tiny CosyVoice2: 2.0 and
+        5.4 ms per token where segments of 900-2000 tokens took 3.4-5.0; docs/benchmarks.md).
+        """
+        for streaming, _, speech_tokens, seconds, segments in runs:
+            if not streaming and segments == 1:
+                self.observe_segment(speech_tokens, seconds)
+        longest: dict[bool, tuple[float, float]] = {}
+        for streaming, text_tokens, speech_tokens, seconds, _ in runs:
+            if speech_tokens <= 0 or seconds <= 0:
+                continue
+            self.observe_ratio(text_tokens, speech_tokens)
+            if speech_tokens > longest.get(streaming, (0.0, 0.0))[0]:
+                longest[streaming] = (speech_tokens, seconds)
+        for streaming, (speech_tokens, seconds) in longest.items():
+            self._seconds_per_token[streaming] = seconds / speech_tokens
+
     def observe_segment(self, speech_tokens: float, seconds: float) -> None:
         """A non-streamed segment of ``speech_tokens`` took ``seconds`` to render: refits the fixed
         cost per segment (once segments of different lengths were seen)."""

@@ -39,6 +39,9 @@ __all__ = ["CONVERSIONS_PATH", "conversions_router"]
 _LOGGER = logging.getLogger(__name__)
 
 CONVERSIONS_PATH = "/v1/audio/conversions"
+_SOURCE_HINT = (
+    "speech of at least 0.5 s (flac or ogg are smaller than wav; a long recording may be sent in parts)"
+)
 
 
 def conversions_router(state: ServerState) -> APIRouter:
@@ -67,8 +70,8 @@ def conversions_router(state: ServerState) -> APIRouter:
         streaming = stream and streams_incrementally(response_format)
         staging = await anyio.to_thread.run_sync(state.store.staging_dir, "conversion")
         try:
-            path = await _save_upload(file, settings.max_upload_bytes, staging)
-            seconds = await anyio.to_thread.run_sync(_audio_seconds, path)
+            path = await _save_upload(file, settings.max_upload_bytes, staging, _SOURCE_HINT)
+            seconds = await anyio.to_thread.run_sync(_audio_seconds, path, _SOURCE_HINT)
             if seconds > settings.max_source_seconds:
                 raise APIError(
                     400,
@@ -91,7 +94,9 @@ def conversions_router(state: ServerState) -> APIRouter:
         try:
             # Refused at once (503/413) when it would not finish in time with the work admitted.
             left_s = settings.request_timeout_s - (time.perf_counter() - received_at)
-            work = state.work.admit_conversion(request.scope, seconds, streaming, left_s) if state.work else None
+            work = (
+                state.work.admit_conversion(request.scope, seconds, streaming, left_s) if state.work else None
+            )
             try:
                 slot = await state.admission.acquire(settings.request_timeout_s)
             except BaseException:

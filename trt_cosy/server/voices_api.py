@@ -30,8 +30,12 @@ _LOGGER = logging.getLogger(__name__)
 _COPY_BLOCK = 1 << 16
 
 
-def _audio_seconds(path: Path) -> float:
-    """The duration of an uploaded file; 400 when it is not audio libsndfile can read."""
+_VOICE_HINT = "3-10 s of speech"
+
+
+def _audio_seconds(path: Path, hint: str = _VOICE_HINT) -> float:
+    """The duration of an uploaded file; 400 when it is not audio libsndfile can read (the message asks
+    for a recording of ``hint``)."""
     import soundfile
 
     try:
@@ -40,7 +44,7 @@ def _audio_seconds(path: Path) -> float:
         raise APIError(
             400,
             f"the uploaded file is not audio that can be read ({type(exc).__name__}); send a wav, flac "
-            "or ogg recording of 3-10 s of speech.",
+            f"or ogg recording of {hint}.",
             "invalid_audio",
             "file",
         ) from None
@@ -111,8 +115,9 @@ class _StrictFormRoute(APIRoute):
         return strict_handler
 
 
-async def _save_upload(upload: UploadFile, limit: int, folder: Path) -> Path:
-    """Copy the upload to a private file in ``folder``, refusing more than ``limit`` bytes (413)."""
+async def _save_upload(upload: UploadFile, limit: int, folder: Path, hint: str = _VOICE_HINT) -> Path:
+    """Copy the upload to a private file in ``folder``, refusing more than ``limit`` bytes (413; the
+    message asks for ``hint``)."""
     handle, name = tempfile.mkstemp(
         prefix="upload-", suffix=Path(upload.filename or "").suffix[:8], dir=folder
     )
@@ -124,7 +129,7 @@ async def _save_upload(upload: UploadFile, limit: int, folder: Path) -> Path:
                 if size > limit:
                     raise APIError(
                         413,
-                        f"the audio file is larger than {limit} bytes; send 3-10 s of speech.",
+                        f"the audio file is larger than {limit} bytes; send {hint}.",
                         "file_too_large",
                         "file",
                     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, MutableMapping
+from dataclasses import astuple
 from typing import Any
 
 from ..synthesis import AudioChunk
@@ -84,10 +85,7 @@ class ServerWork:
 
     def calibrate(self, runs: Iterable[WarmupRun]) -> None:
         """Set the speeds from the warm-up's syntheses (each measured alone)."""
-        for run in runs:
-            self.policy.speed.calibrate(
-                run.streaming, run.text_tokens, run.speech_tokens, run.seconds, run.segments
-            )
+        self.policy.speed.calibrate_alone([astuple(run) for run in runs])
         self.publish()
         speed = self.policy.speed
         _LOGGER.info(

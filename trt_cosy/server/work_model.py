@@ -22,11 +22,18 @@ from ..synthesis import SynthesisConfig
 from .admission import SpeedModel, WorkAdmission
 
 __all__ = [
-    "WarmupRun", "warm_up", "segment_tokens_of", "chunk_work", "work_admission_for", "STREAM_FIRST_TOKENS",
+    "WarmupRun",
+    "warm_up",
+    "segment_tokens_of",
+    "chunk_work",
+    "work_admission_for",
+    "STREAM_FIRST_TOKENS",
 ]
 
 STREAM_FIRST_TOKENS: Final = 28.0  # CosyVoice2's first hop (25) plus its look-ahead (3)
-_WARMUP_TEXT: Final = "Hello."
+_WARMUP_TEXTS: Final = ("Hello.", "Hello, this is a test of my voice.")
+"""Spoken whole, then the first streamed: two lengths give the fixed cost per segment apart from the
+cost per token (``SpeedModel.calibrate_alone``)."""
 _WARMUP_RATE: Final = 16000
 
 
@@ -80,8 +87,8 @@ def chunk_work(chunk: Any) -> tuple[float, float | None]:
 
 
 def warm_up(tts: Any) -> list[WarmupRun]:
-    """Run every graph once: a voice from a synthetic 2 s recording, then one short sentence, plain and
-    streamed (which also creates the deferred chunk-attention session, ``engines.LAZY_GRAPHS``).
+    """Run every graph once: a voice from a synthetic 2 s recording, then two short sentences, plain, and
+    the first streamed (which also creates the deferred chunk-attention session, ``engines.LAZY_GRAPHS``).
 
     Returns each synthesis measured (the admission's first estimate of this machine's speed)."""
     rng = np.random.default_rng(0)
@@ -97,9 +104,12 @@ def warm_up(tts: Any) -> list[WarmupRun]:
         soundfile.write(path, signal.astype(np.float32), _WARMUP_RATE)
         voice = tts.voice_from_wav(path, None)
     runs = []
-    for config in (SynthesisConfig(), SynthesisConfig(stream=True)):
+    plans = [(text, SynthesisConfig()) for text in _WARMUP_TEXTS] + [
+        (_WARMUP_TEXTS[0], SynthesisConfig(stream=True))
+    ]
+    for text, config in plans:
         started = time.perf_counter()
-        chunks = tts.synthesize(_WARMUP_TEXT, voice, 0, config=config)
+        chunks = tts.synthesize(text, voice, 0, config=config)
         speech_tokens = sum(chunk.timings.get("tokens", 0.0) for chunk in chunks)
         segments = segment_tokens_of(chunks) or [0]
         seconds = time.perf_counter() - started

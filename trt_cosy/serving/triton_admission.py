@@ -22,6 +22,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import astuple
 from typing import Any, Final, Protocol
 
 from ..errors import TrtCosyError
@@ -29,7 +30,12 @@ from ..server.admission import AdmittedJob, Refusal, render_priority
 from ..server.work_model import WarmupRun, chunk_work, segment_tokens_of, work_admission_for
 
 __all__ = [
-    "AdmissionRefused", "RequestTimedOut", "TritonWork", "TritonTicket", "WorkEvents", "PriorityWorkers",
+    "AdmissionRefused",
+    "RequestTimedOut",
+    "TritonWork",
+    "TritonTicket",
+    "WorkEvents",
+    "PriorityWorkers",
     "TIMEOUT_SETTING",
 ]
 
@@ -154,11 +160,12 @@ class TritonWork:
         """Set the speeds from the warm-up's syntheses (each measured alone)."""
         with self.lock:
             speed = self.policy.speed
-            for run in runs:
-                speed.calibrate(run.streaming, run.text_tokens, run.speech_tokens, run.seconds, run.segments)
+            speed.calibrate_alone([astuple(run) for run in runs])
         _LOGGER.info(
             "work model: %.1f speech tokens per text token, %.1f ms per speech token (%.1f streamed)",
-            speed.ratio, speed.seconds_per_token(False) * 1000, speed.seconds_per_token(True) * 1000,
+            speed.ratio,
+            speed.seconds_per_token(False) * 1000,
+            speed.seconds_per_token(True) * 1000,
         )
 
     def emit(self, event: str, *values: Any) -> None:
@@ -194,7 +201,10 @@ class TritonWork:
             self.emit("refused", decision.reason)
             _LOGGER.info(
                 "refused a request (%s, expected %.1f s of work, %.1f s admitted ahead): %s",
-                decision.reason, decision.estimated_s, ahead, decision.message,
+                decision.reason,
+                decision.estimated_s,
+                ahead,
+                decision.message,
             )
             raise AdmissionRefused(decision)
         request = getattr(chunks, "request", None)
@@ -218,7 +228,8 @@ class PriorityWorkers:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._threads = [
-            threading.Thread(target=self._loop, name=f"{name}-{index}", daemon=True) for index in range(workers)
+            threading.Thread(target=self._loop, name=f"{name}-{index}", daemon=True)
+            for index in range(workers)
         ]
         for thread in self._threads:
             thread.start()
