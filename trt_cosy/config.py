@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .errors import ModelDirError
+from .family_lookup import FAMILIES, FamilyTable
 from .hyperyaml import Tagged, find_tagged
 
 __all__ = [
@@ -32,7 +33,8 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-YAML_BY_FAMILY: Final = {"v1": "cosyvoice.yaml", "v2": "cosyvoice2.yaml", "v3": "cosyvoice3.yaml"}
+# The release yaml of each family (``Family.yaml_name``), by name.
+YAML_BY_FAMILY: Final = FamilyTable(lambda name: FAMILIES[name].yaml_name)
 QWEN_DIR: Final = "CosyVoice-BlankEN"
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Final
 
 from ...config import (
-    YAML_BY_FAMILY,
     CFMConfig,
     EstimatorConfig,
     HiFTConfig,
@@ -38,7 +37,7 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-V1_YAML: Final = YAML_BY_FAMILY["v1"]
+V1_YAML: Final = "cosyvoice.yaml"  # the release yaml that marks a CosyVoice 1 directory
 _MEL_FRAME_RATE: Final = 22050 / 256  # hard-coded in the official length regulator and model
 
 

@@ -20,7 +20,6 @@ from typing import Any, Final
 
 from ...config import (
     QWEN_DIR,
-    YAML_BY_FAMILY,
     CFMConfig,
     HiFTConfig,
     LLMConfig,
@@ -37,6 +36,7 @@ from ...hyperyaml import Tagged, load_hyperyaml
 from ..v2.config import qwen_llm_config, release_fields
 
 __all__ = [
+    "V3_YAML",
     "V3_SPEECH_SPECIALS",
     "V3_SOS_OFFSET",
     "V3_TASK_OFFSET",
@@ -58,6 +58,7 @@ V3_SOS_OFFSET: Final = 0  # sos = speech_token_size + 0 (a speech_embedding row)
 V3_EOS_OFFSET: Final = 1  # eos = speech_token_size + 1
 V3_TASK_OFFSET: Final = 2  # task_id = speech_token_size + 2
 # CosyVoice3Model.llm_job: FSQ silence/breath tokens; after 5 in a row further ones are dropped.
+V3_YAML: Final = "cosyvoice3.yaml"  # the release yaml that marks a CosyVoice3 directory
 SILENT_TOKENS: Final = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 MAX_SILENT_RUN: Final = 5
 
@@ -159,7 +160,7 @@ _FAMILY: Final = "CosyVoice3"
 def v3_config_from_release_dir(model_dir: Path) -> V3ModelConfig:
     """Read ``cosyvoice3.yaml`` and ``CosyVoice-BlankEN/config.json`` of a CosyVoice3 release."""
     model_dir = Path(model_dir)
-    yaml_path = model_dir / YAML_BY_FAMILY["v3"]
+    yaml_path = model_dir / V3_YAML
     if not yaml_path.is_file():
         raise ModelDirError(
             f"{model_dir} has no {yaml_path.name}; expected a Fun-CosyVoice3 release directory "
