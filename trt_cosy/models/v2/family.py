@@ -177,36 +177,35 @@ class V2Family(Family):
         runners, config = model.runners, model.config
         decode_runner = runners.get("llm_decode")  # TensorRT engines: the plain-ONNX batched decode plan
         if decode_runner is not None and slots != 0 and isinstance(decode_runner, TrtRunner):
-            from ...stages.llm_batch import DEFAULT_POSITIONS, DEFAULT_SLOTS
+            from ...stages.llm_batch import DEFAULT_POSITIONS
             from ...stages.trt_llm_batch import TrtBatchedLLMStage
 
-            return TrtBatchedLLMStage(
-                runners["llm"],
-                decode_runner,
-                model.llm_tables,
-                config.llm,
-                slots=DEFAULT_SLOTS if slots is None else slots,
-                positions=DEFAULT_POSITIONS if positions is None else positions,
-            )
-        batch_runner = runners.get("llm_batch")
-        if not isinstance(batch_runner, (OrtRunner, LazyOrtRunner)):
-            batch_runner = None  # the batched decoder binds ONNX Runtime buffers; wrapped runners decode alone
-        if batch_runner is None or slots == 0:
-            if "llm_batch" not in runners and slots != 0 and model.backend == "onnxruntime":
-                _LOGGER.info(
-                    "these engines have no llm_batch.onnx: concurrent requests decode one at a time; rebuild "
-                    "them (`trt-cosy build --force ...`) for continuous batching"
-                )
-            return LLMStage(runners["llm"], model.llm_tables, config.llm)
-        from ...stages.llm_batch import DEFAULT_SLOTS, BatchedLLMStage
+            stage, batched = TrtBatchedLLMStage, decode_runner
+            positions = DEFAULT_POSITIONS if positions is None else positions
+        else:
+            from ...stages.llm_batch import BatchedLLMStage
 
-        return BatchedLLMStage(
+            batched = runners.get("llm_batch")
+            if not isinstance(batched, (OrtRunner, LazyOrtRunner)):
+                batched = None  # the batched decoder binds ONNX Runtime buffers; wrapped runners decode alone
+            if batched is None or slots == 0:
+                if "llm_batch" not in runners and slots != 0 and model.backend == "onnxruntime":
+                    _LOGGER.info(
+                        "these engines have no llm_batch.onnx: concurrent requests decode one at a time; rebuild "
+                        "them (`trt-cosy build --force ...`) for continuous batching"
+                    )
+                return LLMStage(runners["llm"], model.llm_tables, config.llm)
+            stage = BatchedLLMStage
+            positions = _slot_positions(model) if positions is None else positions
+        from ...stages.llm_batch import DEFAULT_SLOTS
+
+        return stage(
             runners["llm"],
-            batch_runner,
+            batched,
             model.llm_tables,
             config.llm,
             slots=DEFAULT_SLOTS if slots is None else slots,
-            positions=_slot_positions(model) if positions is None else positions,
+            positions=positions,
         )
 
     def _stages(self, model: LoadedModel, llm: LLMStage, flow: FlowStage) -> Any:
