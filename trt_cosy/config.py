@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from .errors import ModelDirError
-from .hyperyaml import Tagged, find_tagged
+from .family_lookup import FAMILIES, FamilyTable
+from .hyperyaml import Tagged, find_tagged, load_hyperyaml
 
 __all__ = [
     "QwenConfig",
@@ -32,7 +34,8 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-YAML_BY_FAMILY: Final = {"v1": "cosyvoice.yaml", "v2": "cosyvoice2.yaml", "v3": "cosyvoice3.yaml"}
+# The release yaml of each family (``Family.yaml_name``), by name.
+YAML_BY_FAMILY: Final = FamilyTable(lambda name: FAMILIES[name].yaml_name)
 QWEN_DIR: Final = "CosyVoice-BlankEN"
 
 
@@ -248,6 +251,34 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+T = TypeVar("T")
+
+
+def config_from_release_yaml(
+    model_dir: Path,
+    yaml_name: str,
+    expected: str,
+    parse: Callable[[dict[str, Any], Path], T],
+    overrides: dict[str, Any] | None = None,
+) -> T:
+    """``parse(doc, yaml_path)`` of the release's ``yaml_name`` (HyperPyYAML with ``overrides``).
+
+    ``ModelDirError`` when the yaml is missing (``expected``: the release directory it should be,
+    with its files) or a value ``parse`` reads is missing or mistyped.
+    """
+    model_dir = Path(model_dir)
+    yaml_path = model_dir / yaml_name
+    if not yaml_path.is_file():
+        raise ModelDirError(f"{model_dir} has no {yaml_name}; expected {expected}.")
+    doc = load_hyperyaml(yaml_path, overrides or {})
+    try:
+        return parse(doc, yaml_path)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelDirError(
+            f"{yaml_path}: a required value is missing or mistyped ({exc!r}). Re-download the release."
+        ) from exc
 
 
 def yaml_node(

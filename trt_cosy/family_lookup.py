@@ -13,15 +13,25 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Set
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from .errors import EngineMismatchError, ModelDirError
 
 Family = Any  # a ``trt_cosy.models.family.Family``: not imported, which would run the layers upward
 
-__all__ = ["FAMILIES", "family_named", "family_of", "family_of_release", "read_release_config"]
+__all__ = [
+    "FAMILIES",
+    "FamilyTable",
+    "family_named",
+    "family_of",
+    "family_of_release",
+    "families_where",
+    "read_release_config",
+]
+
+T = TypeVar("T")
 
 _FAMILY_CLASSES: Final = {
     "v1": "trt_cosy.models.v1.family:V1Family",
@@ -57,6 +67,55 @@ class _Families(Mapping[str, Family]):
 
 
 FAMILIES: Final = _Families(_FAMILY_CLASSES)
+
+
+class FamilyTable(Mapping[str, T]):
+    """``{name: read(name)}`` for every registered family, read when asked: a name-keyed table whose
+    values live on the family objects (``read`` asks one), so a new family extends it by existing."""
+
+    def __init__(self, read: Callable[[str], T]) -> None:
+        self._read = read
+
+    def __getitem__(self, name: str) -> T:
+        if name not in _FAMILY_CLASSES:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_FAMILY_CLASSES)
+
+    def __len__(self) -> int:
+        return len(_FAMILY_CLASSES)
+
+    def __repr__(self) -> str:
+        return f"FamilyTable({dict(self)!r})"
+
+
+class _FamiliesWhere(Set[str]):
+    """The names of the families for which ``test(family)`` holds, asked when first needed."""
+
+    def __init__(self, test: Callable[[Family], bool]) -> None:
+        self._test = test
+
+    def _names(self) -> frozenset[str]:
+        return frozenset(name for name, known in FAMILIES.items() if self._test(known))
+
+    def __contains__(self, name: object) -> bool:
+        return name in _FAMILY_CLASSES and bool(self._test(FAMILIES[name]))  # type: ignore[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._names()))
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return f"families_where({sorted(self._names())!r})"
+
+
+def families_where(test: Callable[[Family], bool]) -> Set[str]:
+    """The names of the registered families for which ``test(family)`` holds (a set, read when asked)."""
+    return _FamiliesWhere(test)
 
 
 def family_named(name: str) -> Family:

@@ -249,6 +249,12 @@ class Request:
             speed=self.speed,
         )
 
+    @staticmethod
+    def flow_tokens(plan: ChunkPlan) -> int:
+        """Speech tokens the flow call of chunk ``plan`` takes: all of them so far (the flow recomputes
+        from the first token, as officially; the mel from ``plan.offset`` on is new)."""
+        return plan.end
+
     def _new_tokens(self, plan: ChunkPlan) -> int:
         """Speech tokens this chunk speaks (a non-final chunk's look-ahead tokens come again)."""
         return plan.end - plan.offset - (0 if plan.final else self.config.flow.encoder.pre_lookahead_len)

@@ -9,12 +9,14 @@ model config to it. Torch is imported only under ``trt_cosy/builder/``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ..config import QWEN_DIR
 from ..runtime.model import LoadedModel
 from .export import ExportResult, GraphPlan, Progress
+from .quantize.policies import PrecisionPolicy
 from .tokenizer_copy import copy_qwen_tokenizer
 
 __all__ = ["BuildFamily"]
@@ -24,12 +26,19 @@ class BuildFamily(ABC):
     """The build steps of one family; ``family`` is its inference-side ``Family``."""
 
     family: ClassVar[Any]  # its ``models.family.Family`` (``family_lookup.FAMILIES[name]``)
+    # Per graph: which nodes stay fp32 in the fp16 pass (``builder.quantize.policies``; by torch class
+    # names, which only the build side knows); a graph not listed keeps the op-type islands only.
+    precision_policies: ClassVar[Mapping[str, PrecisionPolicy]]
 
     @abstractmethod
     def load_torch_model(
         self, model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None
     ) -> LoadedModel:
         """Our torch modules on the release's checkpoint (fp32, CPU), behind ``TorchRunner``s."""
+
+    def precision_policy(self, graph: str) -> PrecisionPolicy:
+        """The fp16 pass's policy of ``graph``; the op-type islands only for a graph not listed."""
+        return self.precision_policies.get(graph, PrecisionPolicy())
 
     def load_for_build(self, model_dir: Path) -> LoadedModel:
         """The torch model ``trt-cosy build`` exports (the family may trim what the engines keep)."""

@@ -48,23 +48,20 @@ FRONTEND_FILES: Final = {known.name: known.frontend_files for known in FAMILIES.
 def check_family_options(model_dir: Path, backend: str, precision: str) -> str:
     """The release's family; ``InputError`` when this backend/precision cannot be built for it.
 
-    Which families each path knows is data kept next to the code that does the work:
-    ``quantize.QUANTIZABLE_FAMILIES`` (int8/int4 graphs) and ``tensorrt.TRT_FAMILIES`` (fp16 graphs
-    and plans).
+    The family says which paths it has: ``Family.trt_engines`` (fp16 graphs and plans) and
+    ``Family.quantized_graphs`` (int8/int4 graphs).
     """
-    from .quantize.engines import QUANTIZABLE_FAMILIES
-    from .trt.plans import TRT_FAMILIES
-
-    family = family_of_release(model_dir).name
+    known = family_of_release(model_dir)
+    family = known.name
     if backend == "openvino":  # every family: the plain exports converted (builder.openvino)
         return family
     if backend == "tensorrt":
-        supported = TRT_FAMILIES
+        supported = known.trt_engines
     elif precision != "fp32":
-        supported = QUANTIZABLE_FAMILIES
+        supported = bool(known.quantized_graphs)
     else:
         return family
-    if family not in supported:
+    if not supported:
         raise InputError(
             f"{backend}/{precision} engines are not available for this model family ({family}) in this "
             f"version; build {model_dir} with --backend onnxruntime --precision fp32."

@@ -56,6 +56,7 @@ __all__ = [
     "incremental_export_plan",
     "unet_incremental_graph",
     "export_incremental_estimator",
+    "export_incremental_graph",
     "write_incremental_estimator",
     "add_incremental_estimator",
 ]
@@ -121,6 +122,14 @@ def export_incremental_estimator(
     against torch (1e-4); return the export and its plan (feeds), or None where the family has none
     (v1). OpenVINO and mixed engines convert this file to IR (``builder.openvino``)."""
     graph = build_family_of(model.config).incremental_estimator_graph(model)
+    return export_incremental_graph(graph, out_dir, progress)
+
+
+def export_incremental_graph(
+    graph: tuple[GraphSpec, nn.Module, GraphPlan] | None, out_dir: Path, progress: Progress | None = None
+) -> tuple[ExportResult, GraphPlan] | None:
+    """Export ``graph`` (contract, torch module, plan; None: nothing) to
+    ``out_dir/flow_estimator_incremental.onnx``, checked against torch (1e-4)."""
     if graph is None:
         return None
     spec, module, plan = graph

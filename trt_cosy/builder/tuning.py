@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..errors import EngineMismatchError, TrtCosyError
+from ..family_lookup import families_where, family_of_release
 from ..runtime.manifest import MANIFEST_NAME, Manifest, hash_checkpoint
 from ..runtime.native_guard import Machine, machine, run_in_child
 from ..runtime.tuning_record import STAGES, StageTuning, Trial, TuningRecord
@@ -52,7 +53,7 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_TUNE_SECONDS: Final = 90.0  # the timing phase (builds come first and are not part of it)
-TUNED_FAMILIES: Final = frozenset({"v2", "v3"})  # a separate LLM, flow and HiFT stage each
+TUNED_FAMILIES: Final = families_where(lambda family: family.tuned)  # a separate LLM, flow and HiFT stage each
 _MIN_CALLS: Final = 2  # timed calls per stage (after one warm-up call), even past the budget
 # Every candidate gets its minimum calls (loading it and one warm-up call per stage are not shortened by
 # the budget); candidates are skipped only once this many times the budget is spent.
@@ -118,11 +119,8 @@ def candidates_here(cpu: Machine, openvino: bool, bf16: bool, quantizable: bool 
 def _default_candidates(model_dir: Path) -> list[Candidate]:
     import importlib.util
 
-    from ..family_lookup import family_of_release
     from ..runtime.backend_choice import cpu_has_bf16_kernels
-    from .quantize.engines import QUANTIZABLE_FAMILIES
-
-    quantizable = family_of_release(model_dir).name in QUANTIZABLE_FAMILIES
+    quantizable = bool(family_of_release(model_dir).quantized_graphs)
     openvino = importlib.util.find_spec("openvino") is not None
     return candidates_here(machine(), openvino, openvino and cpu_has_bf16_kernels(), quantizable)
 
@@ -165,7 +163,6 @@ def tune_build(
     ``candidates``: default ``candidates_here`` for this machine; ``build``/``measure``: the seams
     (default ``builder.engines.build_engines`` and ``measure_in_child``).
     """
-    from ..family_lookup import family_of_release
     from ..runtime.cpu_budget import default_threads
     from .engines import (  # one staging rule for all builds
         _check_replaceable,
@@ -175,10 +172,11 @@ def tune_build(
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     emit = emitter(_LOGGER, progress)
-    family = family_of_release(model_dir).name
-    if family not in TUNED_FAMILIES:
+    family = family_of_release(model_dir)
+    if not family.tuned:
         emit(
-            f"tuning: {family} engines are not tuned (tuning times CosyVoice2/3 stages); today's rule: {fallback[0]} {fallback[1]}"
+            f"tuning: {family.name} engines are not tuned (tuning times separate LLM, flow and HiFT stages); "
+            f"today's rule: {fallback[0]} {fallback[1]}"
         )
         return build_engines(
             model_dir,
@@ -186,7 +184,7 @@ def tune_build(
             *fallback,
             force=force,
             progress=progress,
-            backend_reason="CosyVoice 1 is not tuned; today's rule",
+            backend_reason=f"{family.title} is not tuned; today's rule",
         )
     here = machine()
     threads = threads or default_threads()

@@ -7,21 +7,24 @@ from pathlib import Path
 
 import click
 
-from .options import check_one_of, engine_options, load_tts, output_options, voice_file_option
+from .options import (
+    engine_options,
+    load_tts,
+    output_options,
+    ref_option,
+    speaker_option,
+    voice_choice,
+    voice_file_option,
+)
 from .say import _preset_voice, _SynthesisProgress, _write_interruptibly
 
 
 @click.command()
 @click.argument("source_wav", type=click.Path(dir_okay=False, path_type=Path))
 @engine_options
-@click.option(
-    "--ref",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Reference recording of the target voice (1-30 s): the official VC prompt.",
-)
+@ref_option("Reference recording of the target voice (1-30 s): the official VC prompt.")
 @voice_file_option
-@click.option("--speaker", default=None, help="A preset speaker (CosyVoice-300M-SFT/-Instruct).")
+@speaker_option("A preset speaker (CosyVoice-300M-SFT/-Instruct).")
 @output_options
 @click.option("--stream", is_flag=True, help="Stream: write audio while it is generated.")
 def convert(
@@ -46,16 +49,15 @@ def convert(
     Any rate from 8 kHz, mono or not; a source longer than 30 s is converted in windows cut at
     pauses. Ctrl-C or SIGTERM stops within about a second and leaves no file.
     """
-    from ..frontend.voice import Voice
     from ..synthesis import SynthesisConfig
 
-    check_one_of(ref=ref, voice=voice_file, speaker=speaker)
-    if ref is None and voice_file is None and speaker is None:
-        raise click.UsageError(
-            "pass the target voice: --ref target.wav, --voice voice.npz or --speaker NAME."
-        )
+    voice = voice_choice(
+        ref,
+        voice_file,
+        speaker,
+        "pass the target voice: --ref target.wav, --voice voice.npz or --speaker NAME.",
+    )
     config = SynthesisConfig(stream=stream)
-    voice = Voice.load(voice_file) if voice_file is not None else None
     tts = load_tts(engines, model_dir, source, threads, precision, quiet=quiet, backend=backend)
     if ref is not None:
         voice = tts.vc_voice_from_wav(ref)

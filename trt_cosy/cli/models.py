@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..family_lookup import FAMILIES
 from .options import BACKENDS, SOURCES, echo_progress
 
 
@@ -141,7 +142,7 @@ def _engines_precision(engines: Path | None) -> str | None:
 
 @click.command("make-test-model")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--family", type=click.Choice(["v1", "v2", "v3"]), default="v2", show_default=True,
+@click.option("--family", type=click.Choice(list(FAMILIES)), default="v2", show_default=True,
               help="v1: CosyVoice-300M-SFT layout, v2: CosyVoice2-0.5B, v3: Fun-CosyVoice3-0.5B.")
 @click.option("--size", type=click.Choice(["tiny", "full"]), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)

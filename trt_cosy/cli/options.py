@@ -143,7 +143,31 @@ def engine_options(command):
     return command
 
 
-# The options ``say`` and ``convert`` share: a stored voice, the output wav, the seed and quiet.
+# The options ``say`` and ``convert`` share: the voice (a recording, a stored voice, a preset speaker),
+# the output wav, the seed and quiet.
+def ref_option(help: str):
+    """``--ref``: a reference recording of the voice (``help`` says what it is to the command)."""
+    return click.option(
+        "--ref", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help=help
+    )
+
+
+def speaker_option(help: str):
+    """``--speaker``: a preset speaker of CosyVoice-300M-SFT/-Instruct."""
+    return click.option("--speaker", default=None, help=help)
+
+
+def voice_choice(ref: Path | None, voice_file: Path | None, speaker: str | None, missing: str):
+    """The stored voice of ``--voice`` (loaded now, before the engines), or None for ``--ref`` /
+    ``--speaker``; ``UsageError`` when more than one or none (``missing`` says what to pass) is given."""
+    from ..frontend.voice import Voice
+
+    check_one_of(ref=ref, voice=voice_file, speaker=speaker)
+    if ref is None and voice_file is None and speaker is None:
+        raise click.UsageError(missing)
+    return Voice.load(voice_file) if voice_file is not None else None
+
+
 voice_file_option = click.option(
     "--voice",
     "voice_file",

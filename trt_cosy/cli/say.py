@@ -7,25 +7,25 @@ from pathlib import Path
 
 import click
 
-from .options import check_one_of, echo_progress, engine_options, load_tts, output_options, voice_file_option
+from .options import (
+    echo_progress,
+    engine_options,
+    load_tts,
+    output_options,
+    ref_option,
+    speaker_option,
+    voice_choice,
+    voice_file_option,
+)
 
 
 @click.command()
 @click.argument("text")
 @engine_options
-@click.option(
-    "--ref",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Reference recording of the voice (1-30 s).",
-)
+@ref_option("Reference recording of the voice (1-30 s).")
 @click.option("--ref-text", default=None, help="Transcript of --ref (zero-shot); without it: cross-lingual.")
 @voice_file_option
-@click.option(
-    "--speaker",
-    default=None,
-    help="A preset speaker (CosyVoice-300M-SFT/-Instruct; see `trt-cosy voices list`).",
-)
+@speaker_option("A preset speaker (CosyVoice-300M-SFT/-Instruct; see `trt-cosy voices list`).")
 @click.option(
     "--instruct",
     default=None,
@@ -59,23 +59,18 @@ def say(
     spoken one after another (with --stream, each in several chunks as the LLM speaks). Ctrl-C or
     SIGTERM stops within about a second and leaves no file.
     """
-    from ..frontend.voice import Voice
     from ..synthesis import AudioPlayer, SynthesisConfig
 
-    check_one_of(ref=ref, voice=voice_file, speaker=speaker)
-    if ref is None and voice_file is None and speaker is None:
-        raise click.UsageError(
-            "pass --ref ref.wav (with --ref-text for zero-shot), --voice voice.npz or --speaker NAME."
-        )
+    missing = "pass --ref ref.wav (with --ref-text for zero-shot), --voice voice.npz or --speaker NAME."
+    voice = voice_choice(ref, voice_file, speaker, missing)
     if ref_text is not None and ref is None:
         raise click.UsageError("--ref-text goes with --ref.")
     config = SynthesisConfig(stream=stream, instruct=instruct)
-    voice = Voice.load(voice_file) if voice_file is not None else speaker
     tts = load_tts(engines, model_dir, source, threads, precision, quiet=quiet, backend=backend)
-    if voice is None:
+    if ref is not None:
         voice = tts.voice_from_wav(ref, ref_text)
-    elif isinstance(voice, str):
-        voice = _preset_voice(tts, voice)
+    elif speaker is not None:
+        voice = _preset_voice(tts, speaker)
     chunks = tts.synthesize(text, voice, seed=seed, config=config)
     player = AudioPlayer.open(tts.sample_rate) if play else None
     if play and player is None:

@@ -21,6 +21,7 @@ from typing import Final
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from ..errors import ModelDirError
+from ..family_lookup import FAMILIES, families_where
 
 __all__ = [
     "COSYVOICE2_SPECIAL_TOKENS",
@@ -92,7 +93,6 @@ COSYVOICE3_SPECIAL_TOKENS: Final = (
     *_arpabet_tokens(),
     *(f"[{unit}]" for unit in _PINYIN_UNITS),
 )
-_SPECIAL_TOKENS_BY_FAMILY: Final = {"v2": COSYVOICE2_SPECIAL_TOKENS, "v3": COSYVOICE3_SPECIAL_TOKENS}
 # Qwen2's pre-tokenizer split pattern (contractions, letter runs, single digits, punctuation, spaces).
 QWEN2_SPLIT_PATTERN: Final = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -102,18 +102,20 @@ _MERGES_HEADER: Final = "#version:"
 
 
 def special_tokens_for(family: str) -> tuple[str, ...]:
-    """The special tokens the official tokenizer of ``family`` ("v2" or "v3") adds, in id order.
+    """The special tokens the official tokenizer of ``family`` adds, in id order (``Family.text_special_tokens``).
 
     Raises:
         ValueError: ``family`` has no Qwen2 text tokenizer (CosyVoice 1 uses the whisper one).
     """
-    try:
-        return _SPECIAL_TOKENS_BY_FAMILY[family]
-    except KeyError:
+    known = FAMILIES.get(family)
+    tokens = known.text_special_tokens if known is not None else None
+    if tokens is None:
+        qwen = families_where(lambda known: known.text_special_tokens is not None)
         raise ValueError(
             f"model family {family!r} has no Qwen2 text tokenizer; expected one of "
-            f"{', '.join(_SPECIAL_TOKENS_BY_FAMILY)} (CosyVoice 1 uses WhisperTextTokenizer)."
-        ) from None
+            f"{', '.join(qwen)} (CosyVoice 1 uses WhisperTextTokenizer)."
+        )
+    return tokens
 
 
 def build_qwen2_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Tokenizer:

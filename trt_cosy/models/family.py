@@ -14,10 +14,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import numpy as np
 
+from ..config import QWEN_DIR
 from ..errors import InputError
 from ..frontend.voice import Voice, VoiceBuilder
 from ..pipeline import Request
@@ -27,7 +28,9 @@ from ..runtime.model import LoadedModel
 from ..stages.bistream import BistreamPrompt
 from ..synthesis import LLMPrompt
 
-__all__ = ["Family", "QualityFeeds"]
+__all__ = ["Family", "QualityFeeds", "RELEASE_WEIGHTS"]
+
+RELEASE_WEIGHTS: Final = ("llm.pt", "flow.pt", "hift.pt")  # every release's checkpoints
 
 
 class QualityFeeds(ABC):
@@ -63,6 +66,7 @@ class Family(ABC):
 
     name: ClassVar[str]  # "v1", "v2", "v3": the ``family`` field of model_config.json and golden sets
     title: ClassVar[str]  # "CosyVoice2": how messages name it
+    release_name: ClassVar[str]  # how a message names its official releases ("CosyVoice-300M(-SFT/-Instruct)")
     yaml_name: ClassVar[str]  # the release's yaml, which tells the family of a release directory
     speech_tokenizer_file: ClassVar[str]  # the frontend's speech tokenizer model in the release
     config_class: ClassVar[type]  # the dataclass ``read_config`` returns (rebuilt from model_config.json)
@@ -89,6 +93,17 @@ class Family(ABC):
     # ``profile_builder(config, limits)``: the family's TensorRT profiles (``models/<name>/profiles.py``).
     profile_builder: ClassVar[Callable[[Any, Any], list[Any]]]
     text_streaming: ClassVar[bool] = False  # text may arrive while it speaks (``bistream_prompt``)
+    # The graphs whose convolutions the int8/int4 engines make static int8 (``builder.quantize``), each
+    # with the graph whose recorded feeds calibrate it: the estimators' middle-block ResNet convolutions
+    # (``estimator_int8``) and the vocoders' resblocks (``vocoder_int8``); {} where none apply.
+    int8_estimator_graphs: ClassVar[Mapping[str, str]]
+    int8_vocoder_graphs: ClassVar[Mapping[str, str]]
+    trt_engines: ClassVar[bool] = True  # TensorRT fp16 graphs and plans are built for it (``builder.trt``)
+    tuned: ClassVar[bool] = True  # ``trt-cosy build --tune`` times its stages (else today's default rule)
+    # The special tokens its Qwen2 text tokenizer adds, in id order (``frontend.tokenizer``); None: no Qwen2.
+    text_special_tokens: ClassVar[tuple[str, ...] | None] = None
+    # Release files hashed when present (adding one to a release makes its engines stale).
+    optional_checkpoint_files: ClassVar[tuple[str, ...]] = ()
 
     @property
     @abstractmethod
@@ -99,6 +114,13 @@ class Family(ABC):
         """The TensorRT optimisation profiles (``runtime.profiles.GraphProfiles``) of the family's exported
         graphs under ``limits`` (``ProfileLimits``); ``runtime.profiles.default_profiles`` adds the step graphs'."""
         return type(self).profile_builder(config, limits)
+
+    @property
+    def checkpoint_files(self) -> tuple[str, ...]:
+        """The release files whose content decides what the engines compute (``runtime.manifest``):
+        the yaml, the checkpoints and, for a Qwen2 LLM, its config."""
+        qwen = (f"{QWEN_DIR}/config.json",) if self.qwen_llm else ()
+        return (self.yaml_name, *RELEASE_WEIGHTS, *qwen)
 
     @property
     def frontend_files(self) -> tuple[str, ...]:
@@ -125,6 +147,10 @@ class Family(ABC):
         campplus = lazy_runner("campplus.onnx", "campplus")
         tokenizer = lazy_runner(self.speech_tokenizer_file, "speech_tokenizer")
         return VoiceBuilder(campplus, tokenizer, config.mel, config.token_mel_ratio, model_id=model_id)
+
+    def flow_stage(self, stages: Any) -> Any:
+        """The flow stage among ``build_stages``' stages (its ``token2mel`` makes each chunk's mel)."""
+        return stages.flow
 
     @abstractmethod
     def build_stages(

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import InputError
 
-__all__ = ["KVSlots", "PrefillCache", "ROW_GROUP"]
+__all__ = ["KVSlots", "PrefillCache", "ROW_GROUP", "check_free_row"]
 
 _LOGGER = logging.getLogger(__name__)
 ROW_GROUP: Final = 4  # fixed-shape steps run a multiple of this many rows (kernels block rows in 1, 2 or 4)
@@ -36,6 +36,15 @@ class PrefillCache:
         self.keys = [np.zeros(shape, np.float32) for _ in range(layers)]  # each [1, H, T, Dh]
         self.values = [np.zeros(shape, np.float32) for _ in range(layers)]
         self.length = length
+
+
+def check_free_row(count: int, slots: int, capacity: int, cache: PrefillCache) -> None:
+    """``InputError`` unless a row is free among ``slots`` (``count`` in use) and ``cache`` fits its
+    ``capacity`` positions (host slots here, device slots in ``backends.tensorrt.batch``)."""
+    if count >= slots:
+        raise InputError(f"all {slots} KV slots are in use")
+    if cache.length > capacity:
+        raise InputError(f"a cache of {cache.length} positions exceeds the slot capacity {capacity}")
 
 
 class KVSlots:
@@ -83,10 +92,7 @@ class KVSlots:
 
     def add(self, cache: PrefillCache) -> int:
         """Copy a prefilled cache into the next free row; returns the row."""
-        if self.count >= self.slots:
-            raise InputError(f"all {self.slots} KV slots are in use")
-        if cache.length > self.capacity:
-            raise InputError(f"a cache of {cache.length} positions exceeds the slot capacity {self.capacity}")
+        check_free_row(self.count, self.slots, self.capacity, cache)
         row, length = self.count, cache.length
         for buffers, parts in ((self.keys, cache.keys), (self.values, cache.values)):
             for buffer, part in zip(buffers, parts, strict=True):

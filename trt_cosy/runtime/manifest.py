@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
-from ..config import QWEN_DIR, YAML_BY_FAMILY
 from ..errors import EngineMismatchError, ModelDirError
 from ..family_lookup import family_named, family_of_release
 from ..version import __version__
@@ -27,9 +26,6 @@ from .tuning_record import TuningRecord
 
 __all__ = [
     "MANIFEST_NAME",
-    "CHECKPOINT_FILES",
-    "CHECKPOINT_FILES_BY_FAMILY",
-    "OPTIONAL_CHECKPOINT_FILES",
     "checkpoint_files",
     "TensorRecord",
     "GraphRecord",
@@ -43,18 +39,6 @@ _LOGGER = logging.getLogger(__name__)
 
 MANIFEST_NAME: Final = "manifest.json"
 _FORMAT: Final = 1
-# The release files whose content decides what the engines compute, per family (CosyVoice 1 has no Qwen).
-_WEIGHTS: Final = ("llm.pt", "flow.pt", "hift.pt")
-CHECKPOINT_FILES_BY_FAMILY: Final = {
-    "v1": (YAML_BY_FAMILY["v1"], *_WEIGHTS),
-    "v2": (YAML_BY_FAMILY["v2"], *_WEIGHTS, f"{QWEN_DIR}/config.json"),
-    "v3": (YAML_BY_FAMILY["v3"], *_WEIGHTS, f"{QWEN_DIR}/config.json"),
-}
-CHECKPOINT_FILES: Final = CHECKPOINT_FILES_BY_FAMILY["v2"]  # CosyVoice2 (the default release)
-# Hashed when present: the -SFT/-Instruct preset speakers and the whisper ranks the engines carry
-# (adding either to a release makes its engines stale, so the next build picks them up).
-OPTIONAL_CHECKPOINT_FILES: Final = {"v1": ("spk2info.pt", "multilingual.tiktoken"), "v2": (), "v3": ()}
-_FAMILY_NAMES: Final = {"v1": "CosyVoice-300M(-SFT/-Instruct)", "v2": "CosyVoice2", "v3": "Fun-CosyVoice3"}
 _HASH_BLOCK: Final = 1 << 20
 
 
@@ -267,17 +251,18 @@ def file_sha256(path: Path) -> str:
 
 def checkpoint_files(model_dir: Path) -> tuple[str, ...]:
     """The files of ``model_dir`` whose sha256 identifies its engines: the family's required files
-    (``CHECKPOINT_FILES_BY_FAMILY``) plus the optional ones it has. ``ModelDirError`` when one is missing."""
+    (``Family.checkpoint_files``) plus the optional ones it has (``Family.optional_checkpoint_files``).
+    ``ModelDirError`` when one is missing."""
     model_dir = Path(model_dir)
-    family = family_of_release(model_dir).name  # raises ModelDirError for a missing dir or one without a yaml
-    required = CHECKPOINT_FILES_BY_FAMILY[family]
+    family = family_of_release(model_dir)  # raises ModelDirError for a missing dir or one without a yaml
+    required = family.checkpoint_files
     missing = [name for name in required if not (model_dir / name).is_file()]
     if missing:
         raise ModelDirError(
-            f"{model_dir} lacks {', '.join(missing)}; pass an official {_FAMILY_NAMES[family]} release "
+            f"{model_dir} lacks {', '.join(missing)}; pass an official {family.release_name} release "
             f"directory ({', '.join(required)})."
         )
-    optional = [name for name in OPTIONAL_CHECKPOINT_FILES[family] if (model_dir / name).is_file()]
+    optional = [name for name in family.optional_checkpoint_files if (model_dir / name).is_file()]
     return (*required, *optional)
 
 

@@ -28,11 +28,11 @@ from ..synthesis import SynthesisConfig
 from .audio_encoding import check_format, content_type
 from .audio_stream import audio_stream
 from .errors import APIError
-from .jobs import SynthesisJob, cancel_on_disconnect, collect
+from .jobs import start_job
 from .speech import SynthesisResponse
 from .state import ServerState
 from .streaming_encoders import encode_file, open_encoder, streams_incrementally
-from .voices_api import _audio_seconds, _save_upload, _StrictFormRoute
+from .voices_api import _StrictFormRoute, save_recording
 
 __all__ = ["CONVERSIONS_PATH", "conversions_router"]
 
@@ -70,16 +70,15 @@ def conversions_router(state: ServerState) -> APIRouter:
         streaming = stream and streams_incrementally(response_format)
         staging = await anyio.to_thread.run_sync(state.store.staging_dir, "conversion")
         try:
-            path = await _save_upload(file, settings.max_upload_bytes, staging, _SOURCE_HINT)
-            seconds = await anyio.to_thread.run_sync(_audio_seconds, path, _SOURCE_HINT)
-            if seconds > settings.max_source_seconds:
-                raise APIError(
-                    400,
-                    f"the source is {seconds:.1f} s long; at most {settings.max_source_seconds:g} s is "
-                    "accepted. Send it in parts.",
-                    "audio_too_long",
-                    "file",
-                )
+            path, seconds = await save_recording(
+                file,
+                settings.max_upload_bytes,
+                staging,
+                settings.max_source_seconds,
+                "the source",
+                "Send it in parts.",
+                _SOURCE_HINT,
+            )
             # the official speed path stretches a whole window's mel: not streamed (as the speech route)
             config = SynthesisConfig(stream=streaming and speed == 1.0, speed=speed)
             try:  # reads and checks the source now (silent, too short...); tokenising is lazy
@@ -91,29 +90,14 @@ def conversions_router(state: ServerState) -> APIRouter:
                 raise APIError(400, message, "invalid_audio", "file") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        try:
-            # Refused at once (503/413) when it would not finish in time with the work admitted.
-            left_s = settings.request_timeout_s - (time.perf_counter() - received_at)
-            work = (
-                state.work.admit_conversion(request.scope, seconds, streaming, left_s) if state.work else None
-            )
-            try:
-                slot = await state.admission.acquire(settings.request_timeout_s)
-            except BaseException:
-                if work is not None:
-                    work.close(completed=False)
-                raise
-        except BaseException:
-            chunks.close()
-            raise
-        job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s, work)
-        try:
-            async with cancel_on_disconnect(job, request.receive):
-                first = await job.next()
-                samples = None if streaming or first is None else await collect(job, first)
-        except BaseException:
-            job.close("error")
-            raise
+        job, first, samples = await start_job(
+            state,
+            request,
+            chunks,
+            lambda left_s: state.work.admit_conversion(request.scope, seconds, streaming, left_s),
+            received_at,
+            streaming,
+        )
         if job.cancelled or (first is not None and not streaming and samples is None):
             raise APIError(499, "the client closed the request.", "client_closed")
         if first is None:  # cannot happen: a conversion has at least one window

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -23,7 +24,10 @@ from .limits import Slot
 from .metrics import Metrics
 from .work_admission import WorkTicket
 
-__all__ = ["SynthesisJob", "collect", "cancel_on_disconnect"]
+if TYPE_CHECKING:
+    from .state import ServerState
+
+__all__ = ["SynthesisJob", "collect", "cancel_on_disconnect", "start_job"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -210,3 +214,43 @@ async def collect(job: SynthesisJob, first: AudioChunk) -> np.ndarray | None:
     if job.cancelled:
         return None
     return np.concatenate(pieces)  # [N]
+
+
+async def start_job(
+    state: ServerState,
+    request: Any,
+    chunks: Iterator[AudioChunk],
+    admit: Callable[[float], WorkTicket | None],
+    received_at: float,
+    streaming: bool,
+) -> tuple[SynthesisJob, AudioChunk | None, np.ndarray | None]:
+    """Admit a request's ``chunks`` and run it up to its first audio (all of it when not ``streaming``).
+
+    ``admit(left_s)`` asks the work model (``state.work``, when the server has one) to take the request
+    with ``left_s`` seconds left of its timeout; it refuses at once (503/413) work that would not
+    finish in time. Then a slot of ``state.admission`` (429/503), then the job: a client that leaves
+    cancels the work at once (mid-chunk), streamed or not. Returns the job, its first chunk (None: no
+    audio) and, not streaming, every sample (None when the client left).
+    """
+    settings = state.settings
+    try:
+        left_s = settings.request_timeout_s - (time.perf_counter() - received_at)
+        work = admit(left_s) if state.work else None
+        try:
+            slot = await state.admission.acquire(settings.request_timeout_s)
+        except BaseException:
+            if work is not None:
+                work.close(completed=False)
+            raise
+    except BaseException:
+        chunks.close()  # type: ignore[attr-defined]
+        raise
+    job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s, work)
+    try:
+        async with cancel_on_disconnect(job, request.receive):
+            first = await job.next()
+            samples = None if streaming or first is None else await collect(job, first)
+    except BaseException:
+        job.close("error")
+        raise
+    return job, first, samples

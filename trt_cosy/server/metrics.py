@@ -34,86 +34,70 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         common = {"namespace": _NAMESPACE, "registry": self.registry}
-        self.requests = Counter(
-            "http_requests", "HTTP requests answered, by path and status.", ("path", "status"), **common
-        )
-        self.errors = Counter(
-            "http_errors", "Requests answered with an error, by path and code.", ("path", "code"), **common
-        )
-        self.latency = Histogram(
+
+        def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, documentation, labels, **common)
+
+        def gauge(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, documentation, labels, **common)
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...], labels=()) -> Histogram:
+            return Histogram(name, documentation, labels, buckets=buckets, **common)
+
+        self.requests = counter("http_requests", "HTTP requests answered, by path and status.", ("path", "status"))
+        self.errors = counter("http_errors", "Requests answered with an error, by path and code.", ("path", "code"))
+        self.latency = histogram(
             "http_request_duration_seconds",
             "Time from request to the last response byte, by path.",
+            _LATENCY_BUCKETS,
             ("path",),
-            buckets=_LATENCY_BUCKETS,
-            **common,
         )
-        self.first_audio = Histogram(
-            "time_to_first_audio_seconds",
-            "Time from request to the first synthesised audio.",
-            buckets=_LATENCY_BUCKETS,
-            **common,
+        self.first_audio = histogram(
+            "time_to_first_audio_seconds", "Time from request to the first synthesised audio.", _LATENCY_BUCKETS
         )
-        self.rtf = Histogram(
-            "rtf",
-            "Real-time factor of each synthesis (compute time / audio time).",
-            buckets=_RTF_BUCKETS,
-            **common,
+        self.rtf = histogram(
+            "rtf", "Real-time factor of each synthesis (compute time / audio time).", _RTF_BUCKETS
         )
-        self.audio_seconds = Counter("audio_seconds", "Seconds of audio synthesised.", **common)
-        self.encode_cpu = Counter(
-            "encode_cpu_seconds",
-            "CPU seconds spent encoding streamed answers, by response format.",
-            ("format",),
-            **common,
+        self.audio_seconds = counter("audio_seconds", "Seconds of audio synthesised.")
+        self.encode_cpu = counter(
+            "encode_cpu_seconds", "CPU seconds spent encoding streamed answers, by response format.", ("format",)
         )
-        self.cancelled = Counter(
-            "syntheses_cancelled", "Syntheses stopped early, by reason.", ("reason",), **common
-        )
-        self.queue_depth = Gauge("queue_depth", "Requests waiting for a synthesis slot.", **common)
-        self.active = Gauge("active_requests", "Syntheses (and voice uploads) running now.", **common)
-        self.ready = Gauge("ready", "1 once warm-up has finished, else 0.", **common)
+        self.cancelled = counter("syntheses_cancelled", "Syntheses stopped early, by reason.", ("reason",))
+        self.queue_depth = gauge("queue_depth", "Requests waiting for a synthesis slot.")
+        self.active = gauge("active_requests", "Syntheses (and voice uploads) running now.")
+        self.ready = gauge("ready", "1 once warm-up has finished, else 0.")
         # Admission by expected work (server.work_admission).
-        self.admission_refused = Counter(
+        self.admission_refused = counter(
             "admission_refused",
             "Requests refused at once by admission by expected work, by reason "
             "(overloaded, cannot_keep_up: 503; too_long: 413).",
             ("reason",),
-            **common,
         )
-        self.work_estimated = Histogram(
+        self.work_estimated = histogram(
             "work_estimated_seconds",
             "Expected machine seconds of each completed request, when it was admitted.",
-            buckets=_WORK_BUCKETS,
-            **common,
+            _WORK_BUCKETS,
         )
-        self.work_actual = Histogram(
+        self.work_actual = histogram(
             "work_actual_seconds",
             "Machine seconds each completed request took (the busy time shared among those running).",
-            buckets=_WORK_BUCKETS,
-            **common,
+            _WORK_BUCKETS,
         )
-        self.work_ratio = Histogram(
-            "work_estimate_ratio",
-            "Actual over expected work of each completed request.",
-            buckets=_RATIO_BUCKETS,
-            **common,
+        self.work_ratio = histogram(
+            "work_estimate_ratio", "Actual over expected work of each completed request.", _RATIO_BUCKETS
         )
-        self.queue_seconds = Histogram(
-            "queue_seconds",
-            "Time from admission to the start of synthesis (waiting for a slot).",
-            buckets=_LATENCY_BUCKETS,
-            **common,
+        self.queue_seconds = histogram(
+            "queue_seconds", "Time from admission to the start of synthesis (waiting for a slot).", _LATENCY_BUCKETS
         )
-        self.admitted_work = Gauge(
-            "admitted_work_seconds", "Expected machine seconds of the admitted work still to do.", **common
+        self.admitted_work = gauge(
+            "admitted_work_seconds", "Expected machine seconds of the admitted work still to do."
         )
-        self.seconds_per_token = Gauge(
+        self.seconds_per_token = gauge(
             "seconds_per_speech_token",
             "Measured machine seconds per speech token, by mode (whole, streamed).",
             ("mode",),
-            **common,
         )
-        self.speech_text_ratio = Gauge("speech_text_ratio", "Learnt speech tokens per text token.", **common)
+        self.speech_text_ratio = gauge("speech_text_ratio", "Learnt speech tokens per text token.")
 
 
 def exposition_for(metrics: Metrics, accept: str) -> tuple[bytes, str]:

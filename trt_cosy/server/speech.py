@@ -18,7 +18,7 @@ from ..synthesis import SynthesisConfig
 from .audio_encoding import check_format, content_type
 from .audio_stream import SSE_HEADERS, audio_stream, sse_stream
 from .errors import APIError
-from .jobs import SynthesisJob, cancel_on_disconnect, collect
+from .jobs import SynthesisJob, start_job
 from .state import ServerState
 from .streaming_encoders import encode_file, open_encoder, streams_incrementally
 from .voice_names import resolve_voice
@@ -151,28 +151,14 @@ async def _synthesize(
     config = _synthesis_config(speed, stream and incremental, settings.max_segment_tokens, instructions)
     # Checks the text (normalises and tokenises it) at once; InputError becomes a 400. Lazy after that.
     chunks = await anyio.to_thread.run_sync(lambda: state.tts.synthesize(text, voice, seed, config))
-    try:
-        # Refused at once (503/413) when it would not finish in time with the work admitted.
-        left_s = settings.request_timeout_s - (time.perf_counter() - received_at)
-        work = state.work.admit(request.scope, chunks, streaming, left_s) if state.work else None
-        try:
-            slot = await state.admission.acquire(settings.request_timeout_s)
-        except BaseException:
-            if work is not None:
-                work.close(completed=False)
-            raise
-    except BaseException:
-        chunks.close()
-        raise
-    job = SynthesisJob(chunks, slot, state.metrics, received_at, settings.request_timeout_s, work)
-    try:
-        # A client that leaves cancels the work at once (mid-chunk), streamed or not.
-        async with cancel_on_disconnect(job, request.receive):
-            first = await job.next()
-            samples = None if streaming or first is None else await collect(job, first)
-    except BaseException:
-        job.close("error")
-        raise
+    job, first, samples = await start_job(
+        state,
+        request,
+        chunks,
+        lambda left_s: state.work.admit(request.scope, chunks, streaming, left_s),
+        received_at,
+        streaming,
+    )
     if job.cancelled:
         raise APIError(499, "the client closed the request.", "client_closed")
     if first is None:  # cannot happen with CosyVoice (a request has at least one segment)

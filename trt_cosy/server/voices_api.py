@@ -115,6 +115,30 @@ class _StrictFormRoute(APIRoute):
         return strict_handler
 
 
+async def save_recording(
+    upload: UploadFile,
+    limit: int,
+    folder: Path,
+    max_seconds: float,
+    what: str,
+    advice: str,
+    hint: str = _VOICE_HINT,
+) -> tuple[Path, float]:
+    """The upload saved in ``folder`` (``_save_upload``: at most ``limit`` bytes) and its duration; 400
+    when it is not readable audio or longer than ``max_seconds`` (the message names ``what`` it is
+    and gives ``advice``; an unreadable or oversized file is asked to be ``hint``)."""
+    path = await _save_upload(upload, limit, folder, hint)
+    seconds = await anyio.to_thread.run_sync(_audio_seconds, path, hint)
+    if seconds > max_seconds:
+        raise APIError(
+            400,
+            f"{what} is {seconds:.1f} s long; at most {max_seconds:g} s is accepted. {advice}",
+            "audio_too_long",
+            "file",
+        )
+    return path, seconds
+
+
 async def _save_upload(upload: UploadFile, limit: int, folder: Path, hint: str = _VOICE_HINT) -> Path:
     """Copy the upload to a private file in ``folder``, refusing more than ``limit`` bytes (413; the
     message asks for ``hint``)."""
@@ -175,16 +199,14 @@ def voices_router(state: ServerState) -> APIRouter:
         # In the voices folder's own staging area: a crash leaves it to ``VoiceStore.load`` to clean.
         staging = await anyio.to_thread.run_sync(state.store.staging_dir, "upload")
         try:
-            path = await _save_upload(file, settings.max_upload_bytes, staging)
-            seconds = await anyio.to_thread.run_sync(_audio_seconds, path)
-            if seconds > settings.max_upload_seconds:
-                raise APIError(
-                    400,
-                    f"the recording is {seconds:.1f} s long; at most {settings.max_upload_seconds:g} s is accepted. "
-                    "Trim it to 3-10 s of clear speech.",
-                    "audio_too_long",
-                    "file",
-                )
+            path, _ = await save_recording(
+                file,
+                settings.max_upload_bytes,
+                staging,
+                settings.max_upload_seconds,
+                "the recording",
+                "Trim it to 3-10 s of clear speech.",
+            )
             slot = await state.admission.acquire(settings.request_timeout_s)
             try:
                 voice = await anyio.to_thread.run_sync(state.tts.voice_from_wav, path, text)

@@ -93,6 +93,14 @@ class _Row:
         self.done = self.step >= self.max_len
         return token
 
+    def next_item(self) -> Any:
+        """The next thing the loop handed this row (a token, or ``_Parked``), waiting for it; None once
+        the row ended; the loop's error for this row is raised here."""
+        item = self.tokens.get()
+        if isinstance(item, BaseException):
+            raise item
+        return None if item is _END else item
+
 
 class _ProgramRow(_Row):
     """A streamed-text request's row (``stages.bistream``): its ``bistream_program`` picks each token
@@ -507,11 +515,9 @@ class BatchedLLMStage(LLMStage):
                 scheduler.join(row, cache)
                 cache = None
                 while True:
-                    item = row.tokens.get()
-                    if item is _END:
+                    item = row.next_item()
+                    if item is None:
                         return
-                    if isinstance(item, BaseException):
-                        raise item
                     if isinstance(item, _Parked):  # waits for text; its slot stays reserved
                         cache = item.cache
                         text.wait(row.parked.wanted if row.parked is not None else 1)
@@ -550,12 +556,7 @@ class BatchedLLMStage(LLMStage):
                 return
             self.scheduler.join(row, cache)
             del cache
-            while True:
-                item = row.tokens.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
+            while (item := row.next_item()) is not None:
                 yield item
         finally:
             if not row.done:  # closed early: free the slot now

@@ -86,7 +86,7 @@ def run_official_vc(
         source = read_source(_input_wav(golden, meta["source"], Path(tmp) / "source.wav"))  # [N16]
         target_path = _input_wav(golden, meta["target"], Path(tmp) / "target.wav")
         target = vc_voice(builder, target_path)
-        if family.name == "v1":
+        if model.config.sample_rate != OFFICIAL_PROMPT_RATE:  # CosyVoice 1's 22.05 kHz
             mel = flow_prompt_mel(load_audio(target_path, OFFICIAL_PROMPT_RATE), builder.mel_config)
             target = dataclasses.replace(target, prompt_mel=mel[0])  # [T, 80]
     tokens = builder.speech_tokens(source)[0].astype(np.int64)  # [n]
@@ -118,7 +118,7 @@ def _run_rows(
     meta = golden.meta[run]
     draws = OfficialDraws(golden.meta["draw_seed"], meta["draws"])
     stages = family.build_stages(model, 0)
-    flow = stages.synthesizer.flow if family.name == "v1" else stages.flow
+    flow = family.flow_stage(stages)
     mels, plans, token2mel = [], [], flow.token2mel
 
     def recording_token2mel(*args, **kwargs):
@@ -152,7 +152,7 @@ def _run_rows(
 
     request._render = render_recorded
     wav = np.concatenate([chunk.samples for chunk in request.chunks()])  # [N]
-    given = [plan.end - plan.offset if family.name == "v1" else plan.end for plan in plans]
+    given = [family.request_class.flow_tokens(plan) for plan in plans]
     ours_calls = np.array([[count, plan.final] for count, plan in zip(given, plans, strict=True)], np.int64)
     official_calls = np.array([[call["tokens"], call["finalize"]] for call in meta["calls"]], np.int64)
     rows = [compare(f"{VC_PREFIX}{run}_calls", ours_calls, official_calls, 0.0)]

@@ -20,7 +20,15 @@ from ..stages.vocoder import VocoderCache, VocoderStage
 from .golden import GoldenSet
 from .recording import RecordingRunner
 
-__all__ = ["run_llm", "run_flow", "run_hift"]
+__all__ = [
+    "run_llm",
+    "run_flow",
+    "run_hift",
+    "golden_flow_stage",
+    "greedy_outputs",
+    "scenario_prompt",
+    "teacher_forced_outputs",
+]
 
 
 def run_llm(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
@@ -35,30 +43,80 @@ def run_llm(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> d
     logits, hidden = stage.teacher_forced(lm_input)  # [1, L, V], [1, L, D]
     ours: dict[str, Any] = {"llm_tf_lm_input": lm_input, "llm_tf_hidden": hidden, "llm_tf_logits": logits}
     ours["llm_tf_cached_logp"] = stage.cached_logp(lm_input[:, :prefix_len], target[:n_forced])
-    if "llm_greedy_tokens" in golden:
-        steps = golden["llm_greedy_tokens"].size
-        recorder = RecordingRunner(model.runners[graphs.LLM.name])
-        greedy = LLMStage(recorder, model.llm_tables, model.config.llm)
-        tokens = list(greedy.generate(text, prompt_text, prompt_speech, greedy_sample, max_new_tokens=steps))
-        ours["llm_greedy_tokens"] = np.asarray(tokens, dtype=np.int32)
-        ours["llm_greedy_logits"] = np.stack(recorder.last_logits[:steps])  # [steps, V]
+    ours.update(
+        greedy_outputs(model, golden, model.runners[graphs.LLM.name], text, prompt_text, prompt_speech)
+    )
     return ours
 
 
-def _flow_stage(model: LoadedModel, golden: GoldenSet) -> FlowStage:
+def teacher_forced_outputs(
+    lm_input: np.ndarray,
+    hidden: np.ndarray,
+    logits: np.ndarray,
+    prefix_len: int,
+    logp: np.ndarray,
+    cached_hidden: np.ndarray,
+) -> dict[str, Any]:
+    """The teacher-forced and KV-cached LLM outputs under their golden keys (logits from the row that
+    predicts the first target token)."""
+    return {
+        "llm_tf_lm_input": lm_input,
+        "llm_tf_hidden": hidden,
+        "llm_tf_logits": logits[:, prefix_len - 1 :],  # the rows that predict target tokens
+        "llm_tf_cached_logp": logp,
+        "llm_tf_cached_hidden": cached_hidden,
+    }
+
+
+def greedy_outputs(
+    model: LoadedModel,
+    golden: GoldenSet,
+    runner: Any,
+    text: np.ndarray,
+    prompt_text: np.ndarray,
+    prompt_speech: np.ndarray,
+) -> dict[str, Any]:
+    """The greedy decode of the golden's length through ``LLMStage`` on ``runner`` (its tokens and each
+    step's logits), or {} where the golden has none."""
+    if "llm_greedy_tokens" not in golden:
+        return {}
+    steps = golden["llm_greedy_tokens"].size
+    recorder = RecordingRunner(runner)
+    greedy = LLMStage(recorder, model.llm_tables, model.config.llm)
+    tokens = list(greedy.generate(text, prompt_text, prompt_speech, greedy_sample, max_new_tokens=steps))
+    return {
+        "llm_greedy_tokens": np.asarray(tokens, dtype=np.int32),
+        "llm_greedy_logits": np.stack(recorder.last_logits[:steps]),  # [steps, V]
+    }
+
+
+def golden_flow_stage(
+    model: LoadedModel,
+    golden: GoldenSet,
+    flow_graphs: tuple[graphs.GraphSpec, ...] = (
+        graphs.FLOW_ENCODER,
+        graphs.FLOW_ESTIMATOR,
+        graphs.FLOW_ESTIMATOR_STREAM,
+        graphs.FLOW_ESTIMATOR_INCREMENTAL,
+    ),
+) -> FlowStage:
+    """``FlowStage`` over the model's ``flow_graphs`` (encoder, estimator, streaming estimator,
+    incremental estimator where the engines have it), fed the golden CFM noise (the model's own
+    where the file has none)."""
     noise = golden["flow_rand_noise"] if "flow_rand_noise" in golden else model.flow_noise
     runners = model.runners
+    encoder, estimator, stream, incremental = flow_graphs
     return FlowStage(
-        runners[graphs.FLOW_ENCODER.name],
-        runners[graphs.FLOW_ESTIMATOR.name],
-        runners[graphs.FLOW_ESTIMATOR_STREAM.name],
-        noise.astype(np.float32),
+        runners[encoder.name],
+        runners[estimator.name],
+        runners[stream.name],
+        np.asarray(noise, dtype=np.float32),
         model.config.flow,
-        incremental_runner=runners.get(graphs.FLOW_ESTIMATOR_INCREMENTAL.name),
+        incremental_runner=runners.get(incremental.name),
     )
 
 
-def _scenario_prompt(golden: GoldenSet, scenario: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+def scenario_prompt(golden: GoldenSet, scenario: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     n_prompt = int(scenario["prompt_tokens"])
     tokens = golden["in_prompt_speech_token"][:, :n_prompt].astype(np.int64)  # [1, P]
     feat = golden["in_prompt_feat"][:, : int(scenario["prompt_feat_frames"])]  # [1, 2P, 80]
@@ -67,10 +125,10 @@ def _scenario_prompt(golden: GoldenSet, scenario: dict[str, Any]) -> tuple[np.nd
 
 def _flow_chunks(model: LoadedModel, golden: GoldenSet):
     """Yield (prefix, chunk meta, FlowOutput) for every chunk of every scenario."""
-    stage = _flow_stage(model, golden)
+    stage = golden_flow_stage(model, golden)
     embedding = golden["in_spk_embedding"]
     for name, scenario in golden.flow_scenarios():
-        prompt_tokens, prompt_feat = _scenario_prompt(golden, scenario)
+        prompt_tokens, prompt_feat = scenario_prompt(golden, scenario)
         cache = stage.new_cache()  # incremental chunks where the engines have the graph, as a request
         for index, chunk in enumerate(scenario["chunks"]):
             prefix = f"{name}_c{index}_"

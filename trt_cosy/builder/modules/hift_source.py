@@ -105,6 +105,12 @@ class SourceModule(nn.Module):
         return torch.tanh(self.l_linear(sines)).transpose(1, 2)  # [B, 1, S]
 
 
+def _dft_angle(n_fft: int) -> np.ndarray:
+    """``2 pi k n / n_fft`` for each one-sided bin k and sample n: [K, N], K = n_fft/2 + 1."""
+    bins = n_fft // 2 + 1
+    return 2.0 * np.pi * np.outer(np.arange(bins), np.arange(n_fft)) / n_fft  # angle: [K, N]
+
+
 class ConvSTFT(nn.Module):
     """``torch.stft(n_fft, hop, window=periodic hann, center=True, reflect)`` -> [real; imag] channels."""
 
@@ -112,8 +118,7 @@ class ConvSTFT(nn.Module):
         super().__init__()
         self.n_fft = n_fft
         self.hop = hop
-        bins = n_fft // 2 + 1
-        angle = 2.0 * np.pi * np.outer(np.arange(bins), np.arange(n_fft)) / n_fft  # angle: [K, N]
+        angle = _dft_angle(n_fft)  # angle: [K, N]
         window = periodic_hann(n_fft)
         basis = np.concatenate([np.cos(angle) * window, -np.sin(angle) * window])  # basis: [2K, N]
         self.register_buffer(
@@ -139,8 +144,8 @@ class ConvISTFT(nn.Module):
         super().__init__()
         self.n_fft = n_fft
         self.hop = hop
-        bins = n_fft // 2 + 1
-        angle = 2.0 * np.pi * np.outer(np.arange(bins), np.arange(n_fft)) / n_fft  # angle: [K, N]
+        angle = _dft_angle(n_fft)  # angle: [K, N]
+        bins = angle.shape[0]
         weight = np.full((bins, 1), 2.0)  # weight: [K, 1], Hermitian pairs counted twice
         weight[0] = 1.0
         weight[-1] = 1.0 if n_fft % 2 == 0 else 2.0

@@ -38,7 +38,7 @@ import onnx
 from onnx import helper
 
 from ...errors import InputError
-from ...family_lookup import FAMILIES, family_named
+from ...family_lookup import families_where, family_named
 from ...runtime import graphs
 from ..onnx.files import save_onnx
 from ..quiet_logs import quiet_logger
@@ -70,8 +70,8 @@ QUANTIZED_PRECISIONS: Final = ("int8", "int4")
 # "vocoder": HiFT's residual-block convolutions int8, calibrated (builder/quantize/vocoder_int8.py).
 # Which graph has which role is the family's (``Family.quantized_graphs``).
 VOCODER_METHOD: Final = "int8conv"  # calibrated through the flow: vocoder_int8.quantize_vocoders
-# Model families whose graph sets precision_plan() knows (config.family values).
-QUANTIZABLE_FAMILIES: Final = frozenset(FAMILIES)
+# Model families whose graph sets precision_plan() knows: those with quantised graph roles.
+QUANTIZABLE_FAMILIES: Final = families_where(lambda family: bool(family.quantized_graphs))
 _NBITS_BLOCK: Final = 32  # MatMulNBits block along K: the int8 LLM, the v3 DiT's 8-bit AdaLN weights
 # The int4 LLM's: blocks of 128. Side by side against 32 (tools/experiments/decode/llm_step_variants.py, docs/benchmarks.md)
 # the decode step is 17-31 % faster at every batch size; the quality guard passes on every family's

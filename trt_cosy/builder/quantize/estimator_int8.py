@@ -31,6 +31,7 @@ from typing import Any, Final
 import numpy as np
 import onnx
 
+from ...family_lookup import FAMILIES, FamilyTable, family_named
 from .int8_conv import (
     CALIBRATION_TARGETS,
     CALIBRATION_UTTERANCES,
@@ -50,12 +51,8 @@ __all__ = [
 ]
 
 # Per family (config.family): the estimator graphs whose middle-block convolutions become int8, each
-# with the graph whose recorded feeds calibrate it (itself).
-ESTIMATOR_GRAPHS: Final = {
-    "v1": {"flow_estimator": "flow_estimator"},
-    "v2": {"flow_estimator": "flow_estimator"},
-    "v3": {},
-}
+# with the graph whose recorded feeds calibrate it (``Family.int8_estimator_graphs``).
+ESTIMATOR_GRAPHS: Final = FamilyTable(lambda name: FAMILIES[name].int8_estimator_graphs)
 # The weights of the middle blocks' ResNet block convolutions (block1, block2; not res_conv).
 ESTIMATOR_CONV_PATTERN: Final = re.compile(r"estimator\.mid_blocks\.\d+\.0\.block[12]\.")
 
@@ -100,11 +97,11 @@ def estimator_calibration_feeds(
 
 
 def quantize_estimators(directory: Path, family: str, progress: Progress | None = None) -> dict[str, int]:
-    """Replace each of ``family``'s ``ESTIMATOR_GRAPHS`` in ``directory`` (loadable engines) by its
+    """Replace each of ``family``'s ``int8_estimator_graphs`` in ``directory`` (loadable engines) by its
     int8-middle-block form, calibrated through the directory's own flow. Returns ``{graph: count}``."""
     return rewrite_calibrated(
         directory,
-        ESTIMATOR_GRAPHS[family],
+        family_named(family).int8_estimator_graphs,
         estimator_calibration_feeds,
         estimator_convolutions,
         "estimator",

@@ -2,9 +2,10 @@
 
 A ``PrecisionPolicy`` names fp32 islands by ONNX op type, by torch module class (every node the
 module or its sub-modules made), by a class's *own* nodes (the elementwise code of its ``forward``,
-not its sub-modules: the DiT's residual stream), and by module path. ``graph_policy(family, graph)``
+not its sub-modules: the DiT's residual stream), and by module path. ``BuildFamily.precision_policy(graph)``
 picks the policy of one graph; graph names repeat across families (``llm``, ``hift``) with other
-classes inside, so the tables are per family.
+classes inside, so each family's build side holds its table (``BuildFamily.precision_policies``,
+built from the pieces here; CosyVoice2's is ``GRAPH_POLICIES``).
 
 Why these islands:
 
@@ -31,9 +32,10 @@ __all__ = [
     "FP32_OP_TYPES",
     "DATA_MAX",
     "PrecisionPolicy",
+    "NORMS",
+    "STFT",
+    "LOGITS",
     "GRAPH_POLICIES",
-    "FAMILY_POLICIES",
-    "graph_policy",
 ]
 
 FP32_OP_TYPES: Final = frozenset(
@@ -83,50 +85,17 @@ class PrecisionPolicy:
     """with calibration feeds: nodes whose fp32 outputs exceed this magnitude stay fp32."""
 
 
-_NORMS: Final = frozenset({"RMSNorm", "LayerNorm"})
-_STFT: Final = frozenset({"ConvSTFT", "ConvISTFT"})
-_LOGITS: Final = ("llm_decoder",)
+NORMS: Final = frozenset({"RMSNorm", "LayerNorm"})
+STFT: Final = frozenset({"ConvSTFT", "ConvISTFT"})
+LOGITS: Final = ("llm_decoder",)  # the LLM's logits scope
 
 GRAPH_POLICIES: Final = {
-    "llm": PrecisionPolicy(modules=_NORMS | {"RotaryEmbedding"}, scopes=_LOGITS),
-    "llm_decode": PrecisionPolicy(modules=_NORMS, scopes=_LOGITS),  # its rotary angles: Sin/Cos islands
-    "flow_encoder": PrecisionPolicy(modules=_NORMS),
-    "flow_estimator": PrecisionPolicy(modules=_NORMS),
-    "flow_estimator_stream": PrecisionPolicy(modules=_NORMS),
-    "flow_estimator_incremental": PrecisionPolicy(modules=_NORMS),  # the estimator's weights and islands
-    "hift": PrecisionPolicy(modules=_NORMS | _STFT | {"F0Predictor", "SourceModule"}),
+    "llm": PrecisionPolicy(modules=NORMS | {"RotaryEmbedding"}, scopes=LOGITS),
+    "llm_decode": PrecisionPolicy(modules=NORMS, scopes=LOGITS),  # its rotary angles: Sin/Cos islands
+    "flow_encoder": PrecisionPolicy(modules=NORMS),
+    "flow_estimator": PrecisionPolicy(modules=NORMS),
+    "flow_estimator_stream": PrecisionPolicy(modules=NORMS),
+    "flow_estimator_incremental": PrecisionPolicy(modules=NORMS),  # the estimator's weights and islands
+    "hift": PrecisionPolicy(modules=NORMS | STFT | {"F0Predictor", "SourceModule"}),
 }
 """CosyVoice2 (``graphs.GRAPHS``)."""
-
-_DIT: Final = PrecisionPolicy(modules=_NORMS, own_nodes=frozenset({"DiTBlock", "DiT"}), data_max=DATA_MAX)
-_CAUSAL_HIFT: Final = PrecisionPolicy(
-    modules=_NORMS | _STFT | {"CausalF0Predictor", "CausalSourceModule"}, data_max=DATA_MAX
-)
-
-FAMILY_POLICIES: Final = {
-    "v1": {
-        "v1_text_encoder": PrecisionPolicy(modules=_NORMS, data_max=DATA_MAX),
-        "llm": PrecisionPolicy(modules=_NORMS, scopes=_LOGITS, data_max=DATA_MAX),
-        "v1_flow_encoder": PrecisionPolicy(modules=_NORMS, data_max=DATA_MAX),
-        "flow_estimator": PrecisionPolicy(modules=_NORMS, data_max=DATA_MAX),
-        "v1_hift": PrecisionPolicy(
-            modules=_NORMS | _STFT | {"F0Predictor", "SineGenSource"}, data_max=DATA_MAX
-        ),
-    },
-    "v2": GRAPH_POLICIES,
-    "v3": {
-        "llm": PrecisionPolicy(modules=_NORMS | {"RotaryEmbedding"}, scopes=_LOGITS, data_max=DATA_MAX),
-        "llm_decode": PrecisionPolicy(modules=_NORMS, scopes=_LOGITS, data_max=DATA_MAX),
-        "flow_encoder": PrecisionPolicy(modules=_NORMS, data_max=DATA_MAX),
-        "flow_estimator": _DIT,
-        "flow_estimator_stream": _DIT,
-        "hift": _CAUSAL_HIFT,
-        "hift_stream": _CAUSAL_HIFT,
-    },
-}
-"""Per family (``config.family``), per graph name: the policy ``prepare_trt_graphs`` uses."""
-
-
-def graph_policy(family: str, graph: str) -> PrecisionPolicy:
-    """The policy of ``graph`` in ``family``; the op-type islands only for a graph not listed."""
-    return FAMILY_POLICIES.get(family, {}).get(graph, PrecisionPolicy())

@@ -50,13 +50,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ...errors import TrtCosyError
 from ..onnx.files import save_onnx
-from .policies import (
-    FAMILY_POLICIES,
-    FP32_OP_TYPES,
-    GRAPH_POLICIES,
-    PrecisionPolicy,
-    graph_policy,
-)
+from .policies import FP32_OP_TYPES, GRAPH_POLICIES, PrecisionPolicy
 from .precision_ort import compare_fp16, tensor_ranges
 
 __all__ = [
@@ -65,8 +59,6 @@ __all__ = [
     "FP32_OP_TYPES",
     "PrecisionPolicy",
     "GRAPH_POLICIES",
-    "FAMILY_POLICIES",
-    "graph_policy",
     "Fp16Report",
     "tensor_ranges",
     "convert_model_fp16",

@@ -27,6 +27,7 @@ from typing import Any, Final
 import numpy as np
 import onnx
 
+from ...family_lookup import FAMILIES, FamilyTable, family_named
 from .int8_conv import (
     CALIBRATION_TARGETS,
     CALIBRATION_UTTERANCES,
@@ -46,13 +47,8 @@ __all__ = [
 ]
 
 # Per family (config.family): the vocoder graphs whose convolutions the reduced precisions make int8,
-# each with the graph whose recorded feeds calibrate it (v3's streaming HiFT takes the same inputs as
-# its whole-utterance graph, which the quality path runs).
-VOCODER_GRAPHS: Final = {
-    "v1": {"v1_hift": "v1_hift"},
-    "v2": {"hift": "hift"},
-    "v3": {"hift": "hift", "hift_stream": "hift"},
-}
+# each with the graph whose recorded feeds calibrate it (``Family.int8_vocoder_graphs``).
+VOCODER_GRAPHS: Final = FamilyTable(lambda name: FAMILIES[name].int8_vocoder_graphs)
 # Weight-name prefixes of the convolutions made int8 (the generator's and the source branch's resblocks).
 INT8_CONV_PREFIXES: Final = ("hift.resblocks.", "hift.source_resblocks.")
 
@@ -87,10 +83,10 @@ def calibration_feeds(
 
 
 def quantize_vocoders(directory: Path, family: str, progress: Progress | None = None) -> dict[str, int]:
-    """Replace each of ``family``'s ``VOCODER_GRAPHS`` in ``directory`` (loadable engines whose
+    """Replace each of ``family``'s ``int8_vocoder_graphs`` in ``directory`` (loadable engines whose
     vocoders are fp32) by its int8-convolution form, calibrated through the directory's own flow (a
     build and ``derive_engines`` both run it on their staging engines, so both write the same graph).
     Returns ``{graph: convolutions quantised}``."""
     return rewrite_calibrated(
-        directory, VOCODER_GRAPHS[family], calibration_feeds, int8_convolutions, "vocoder", progress
+        directory, family_named(family).int8_vocoder_graphs, calibration_feeds, int8_convolutions, "vocoder", progress
     )

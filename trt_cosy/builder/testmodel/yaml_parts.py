@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "header",
+    "qwen_llm",
     "SEEDS",
     "RAS_SAMPLING",
     "CFM_PARAMS",
@@ -138,3 +140,18 @@ get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
     skip_special_tokens: True
 {version}allowed_special: 'all'
 """
+
+
+def header(family_flag: str, release: str, yaml_name: str) -> str:
+    """The comment that opens a test-model yaml (``family_flag``: the ``make-test-model`` option that
+    picks the family, e.g. ``" --family v3"``), then the seeds; ``{size_name}`` is filled later."""
+    return (
+        f"# Random-weight test model written by `trt-cosy make-test-model{family_flag}` ({{size_name}}).\n"
+        f"# Structure and tags follow the released {release} {yaml_name}; weights are random.\n"
+        + SEEDS
+    )
+
+
+def qwen_llm(llm_class: str) -> str:
+    """The Qwen2 pretrain path and the ``llm`` section of CosyVoice2/3 (``llm_class``: the official class)."""
+    return "\n" + QWEN_HEADER + f"\nllm: !new:cosyvoice.llm.llm.{llm_class}\n" + QWEN_LLM + RAS_SAMPLING

@@ -17,16 +17,14 @@ from typing import Final
 
 from ...runtime import graphs
 from ...runtime.model import LoadedModel
-from ..export import ExportResult, Progress, export_graph
-from ..flow_incremental import INCREMENTAL_FILE, _estimator, incremental_export_plan
-from ..modules.flow_estimator_incremental import IncrementalEstimatorGraph
+from ..export import ExportResult, Progress
+from ..flow_incremental import export_incremental_graph, unet_incremental_graph
 
 __all__ = ["INCREMENTAL_NAME", "export_trt_incremental"]
 
 _LOGGER = logging.getLogger(__name__)
 
 INCREMENTAL_NAME: Final = graphs.FLOW_ESTIMATOR_INCREMENTAL.name
-_TOLERANCE: Final = 1e-4  # as the other estimators (export.TOLERANCES)
 
 
 def export_trt_incremental(
@@ -34,17 +32,5 @@ def export_trt_incremental(
 ) -> ExportResult | None:
     """Export ``<out_dir>/flow_estimator_incremental.onnx`` (plain ONNX, fp32) from the reference
     model's CosyVoice2 estimator; None for the other families (their streaming recomputes)."""
-    estimator = _estimator(model)
-    if estimator is None:
-        return None
-    plan = incremental_export_plan(model.config, estimator)
-    return export_graph(
-        graphs.FLOW_ESTIMATOR_INCREMENTAL,
-        IncrementalEstimatorGraph(estimator),
-        plan.sample,
-        Path(out_dir) / INCREMENTAL_FILE,
-        plan.dynamic_shapes,
-        parity_inputs=plan.parity,
-        tolerance=_TOLERANCE,
-        progress=progress,
-    )
+    exported = export_incremental_graph(unet_incremental_graph(model), Path(out_dir), progress)
+    return None if exported is None else exported[0]

@@ -35,7 +35,7 @@ import numpy as np
 
 from ...config import ModelConfig
 from ...errors import EngineMismatchError, InputError, TrtCosyError
-from ...family_lookup import family_named
+from ...family_lookup import families_where, family_named
 from ...runtime.backends.tensorrt.runner import (
     PLANS_DIR,
     PlanRecord,
@@ -86,8 +86,8 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 TRT_PRECISIONS: Final = ("fp16", "fp32")
-# Model families whose graph sets prepare_trt_graphs() and the profiles know (config.family values).
-TRT_FAMILIES: Final = frozenset({"v1", "v2", "v3"})
+# Model families whose graph sets prepare_trt_graphs() and the profiles know (``Family.trt_engines``).
+TRT_FAMILIES: Final = families_where(lambda family: family.trt_engines)
 TRT_SUMMARY_NAME: Final = "tensorrt.json"
 TIMING_CACHE_NAME: Final = "timing.cache"
 INCREMENTAL_NAME: Final = FLOW_ESTIMATOR_INCREMENTAL.name  # optional, as llm_decode (exported for v2)
@@ -191,9 +191,10 @@ def _prepare_graph(
         parity = write_parity_feeds(engines_dir, name, source, feeds)
         entry["parity_feeds"] = parity.relative_to(engines_dir).as_posix()
     if precision == "fp16":
-        from ..quantize.precision import compare_fp16, graph_policy, to_fp16_graph  # onnx: build time only
+        from ..quantize.precision import compare_fp16, to_fp16_graph  # onnx: build time only
+        from ..registry import build_family_of  # torch: build time only
 
-        policy = graph_policy(config.family, name)
+        policy = build_family_of(config).precision_policy(name)
         report = to_fp16_graph(source, target, policy, graph=name, calibration=feeds)
         entry["fp16"] = report.summary()
         if measure:

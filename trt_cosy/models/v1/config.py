@@ -15,17 +15,17 @@ from pathlib import Path
 from typing import Any, Final
 
 from ...config import (
-    YAML_BY_FAMILY,
     CFMConfig,
     EstimatorConfig,
     HiFTConfig,
     MelConfig,
     SpeechSampling,
+    config_from_release_yaml,
     estimator_config,
     hift_fields,
 )
 from ...errors import ModelDirError
-from ...hyperyaml import Tagged, find_tagged, load_hyperyaml
+from ...hyperyaml import Tagged, find_tagged
 
 __all__ = [
     "V1EncoderConfig",
@@ -38,7 +38,7 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-V1_YAML: Final = YAML_BY_FAMILY["v1"]
+V1_YAML: Final = "cosyvoice.yaml"  # the release yaml that marks a CosyVoice 1 directory
 _MEL_FRAME_RATE: Final = 22050 / 256  # hard-coded in the official length regulator and model
 
 
@@ -127,20 +127,8 @@ class V1ModelConfig:
 
 def v1_config_from_release_dir(model_dir: Path) -> V1ModelConfig:
     """Parse ``<model_dir>/cosyvoice.yaml`` (no overrides, as ``CosyVoice.__init__`` loads it)."""
-    model_dir = Path(model_dir)
-    yaml_path = model_dir / V1_YAML
-    if not yaml_path.is_file():
-        raise ModelDirError(
-            f"{model_dir} has no {V1_YAML}; expected an official CosyVoice-300M(-SFT/-Instruct) release "
-            "directory (cosyvoice.yaml, llm.pt, flow.pt, hift.pt)."
-        )
-    doc = load_hyperyaml(yaml_path, {})
-    try:
-        return _v1_from_yaml(doc, yaml_path)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelDirError(
-            f"{yaml_path}: a required value is missing or mistyped ({exc!r}). Re-download the release."
-        ) from exc
+    expected = "an official CosyVoice-300M(-SFT/-Instruct) release directory (cosyvoice.yaml, llm.pt, flow.pt, hift.pt)"
+    return config_from_release_yaml(model_dir, V1_YAML, expected, _v1_from_yaml)
 
 
 def _node(parent: dict[str, Any] | Tagged, key: str, class_name: str, source: Path) -> Tagged:

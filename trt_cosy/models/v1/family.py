@@ -33,7 +33,7 @@ from ...runtime.graphs import GraphSpec
 from ...runtime.model import LoadedModel
 from ...synthesis import LLMPrompt
 from ..family import Family, QualityFeeds
-from .config import V1ModelConfig, v1_config_from_release_dir
+from .config import V1_YAML, V1ModelConfig, v1_config_from_release_dir
 from .graphs import V1_FLOW_ENCODER, V1_FLOW_ESTIMATOR, V1_GRAPHS, V1_HIFT, V1_LLM, V1_TEXT_ENCODER
 from .profiles import v1_profiles
 from .request import V1Request, V1Stages
@@ -110,7 +110,8 @@ class V1Family(Family):
     name = "v1"
     build_family = "trt_cosy.models.v1.export.family:V1BuildFamily"
     title = "CosyVoice 1 (300M)"
-    yaml_name = "cosyvoice.yaml"
+    release_name = "CosyVoice-300M(-SFT/-Instruct)"
+    yaml_name = V1_YAML
     speech_tokenizer_file = "speech_tokenizer_v1.onnx"
     config_class = V1ModelConfig
     request_class: type[Request] = V1Request
@@ -122,6 +123,11 @@ class V1Family(Family):
     instructs_any_voice = False
     quantized_graphs = {V1_LLM.name: "llm", V1_FLOW_ESTIMATOR.name: "estimator", V1_HIFT.name: "vocoder"}
     profile_builder = staticmethod(v1_profiles)
+    int8_estimator_graphs = {V1_FLOW_ESTIMATOR.name: V1_FLOW_ESTIMATOR.name}
+    int8_vocoder_graphs = {V1_HIFT.name: V1_HIFT.name}
+    tuned = False  # one synthesizer stage (LLM, flow and HiFT together): nothing to time apart
+    # The -SFT/-Instruct preset speakers and the whisper ranks the engines carry.
+    optional_checkpoint_files = ("spk2info.pt", "multilingual.tiktoken")
 
     @property
     def graphs(self) -> Mapping[str, GraphSpec]:
@@ -140,6 +146,10 @@ class V1Family(Family):
         campplus = lazy_runner("campplus.onnx", "campplus")
         tokenizer = lazy_runner(self.speech_tokenizer_file, "speech_tokenizer")
         return V1VoiceBuilder(campplus, tokenizer, model.config.mel, 1, model_id=model_id)
+
+    def flow_stage(self, stages: V1Stages) -> V1FlowStage:
+        """The synthesizer's flow stage (flow and HiFT run together as one official ``token2wav``)."""
+        return stages.synthesizer.flow
 
     def build_stages(
         self, model: LoadedModel, llm_slots: int | None = None, llm_slot_positions: int | None = None

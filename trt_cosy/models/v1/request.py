@@ -95,5 +95,10 @@ class V1Request(Request):
         )  # speech: [1, S]
         return speech[0], time.perf_counter() - start, 0.0
 
+    @staticmethod
+    def flow_tokens(plan: ChunkPlan) -> int:
+        """Each flow call takes only its own chunk's tokens, ``tokens[offset:end]`` (``V1Schedule``)."""
+        return plan.end - plan.offset
+
     def _new_tokens(self, plan: ChunkPlan) -> int:
         return plan.end - plan.offset if plan.final else self.config.stream.token_hop_len

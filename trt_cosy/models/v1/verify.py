@@ -20,6 +20,7 @@ from ...runtime.model import LoadedModel
 from ...stages.sampling import greedy_sample
 from ...verify.golden import GoldenSet
 from ...verify.recording import RecordingRunner
+from ...verify.stages import teacher_forced_outputs
 from . import graphs as graphs_v1
 from .stages import V1FlowOutput, V1FlowStage, V1LLMStage, V1StreamState, V1Synthesizer
 
@@ -90,13 +91,7 @@ def run_llm_v1(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -
     )  # [1, L, D]
     logits, hidden = stage.teacher_forced(lm_input)  # [1, L, V], [1, L, D]
     logp, cached_hidden = stage.cached_steps(lm_input[:, :prefix_len], target[:n_forced])
-    ours: dict[str, Any] = {
-        "llm_tf_lm_input": lm_input,
-        "llm_tf_hidden": hidden,
-        "llm_tf_logits": logits[:, prefix_len - 1 :],  # the rows that predict target tokens
-        "llm_tf_cached_logp": logp,
-        "llm_tf_cached_hidden": cached_hidden,
-    }
+    ours = teacher_forced_outputs(lm_input, hidden, logits, prefix_len, logp, cached_hidden)
     no_prompt = np.zeros(0, np.int64)
     modes = [("", prompt_text, prompt_speech, embedding)]  # zero-shot
     if "in_sft_spk_embedding" in golden:  # SFT: preset speaker, no prompt text or speech

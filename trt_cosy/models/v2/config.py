@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ...config import (
     QWEN_DIR,
-    YAML_BY_FAMILY,
     CFMConfig,
     FlowConfig,
     FlowEncoderConfig,
@@ -25,13 +24,15 @@ from ...config import (
 from ...errors import ModelDirError
 from ...hyperyaml import Tagged, load_hyperyaml
 
-__all__ = ["qwen_llm_config", "release_fields", "v2_config_from_release_dir"]
+__all__ = ["V2_YAML", "qwen_llm_config", "release_fields", "v2_config_from_release_dir"]
+
+V2_YAML: Final = "cosyvoice2.yaml"  # the release yaml that marks a CosyVoice2 directory
 
 
 def v2_config_from_release_dir(model_dir: Path) -> ModelConfig:
     """Read ``cosyvoice2.yaml`` and ``CosyVoice-BlankEN/config.json`` of a CosyVoice2 release."""
     model_dir = Path(model_dir)
-    yaml_path = model_dir / YAML_BY_FAMILY["v2"]
+    yaml_path = model_dir / V2_YAML
     doc = load_hyperyaml(yaml_path, {"qwen_pretrain_path": str(model_dir / QWEN_DIR)})
     qwen = QwenConfig.from_json(model_dir / QWEN_DIR / "config.json")
     return _v2_from_yaml(doc, qwen, yaml_path)

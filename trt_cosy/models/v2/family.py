@@ -18,7 +18,7 @@ from typing import Any, Final
 import numpy as np
 
 from ...config import ModelConfig
-from ...frontend.tokenizer import ENDOFPROMPT, QwenTextTokenizer, special_tokens_for
+from ...frontend.tokenizer import COSYVOICE2_SPECIAL_TOKENS, ENDOFPROMPT, QwenTextTokenizer
 from ...frontend.voice import Voice
 from ...pipeline import Request, Stages
 from ...runtime import graphs
@@ -31,7 +31,7 @@ from ...stages.vocoder import VocoderStage
 from ...synthesis import LLMPrompt
 from ...verify.stages import run_flow, run_hift, run_llm
 from ..family import Family, QualityFeeds
-from .config import v2_config_from_release_dir
+from .config import V2_YAML, v2_config_from_release_dir
 from .profiles import v2_profiles
 
 _LOGGER = logging.getLogger(__name__)
@@ -101,7 +101,8 @@ class V2Family(Family):
     name = "v2"
     build_family = "trt_cosy.models.v2.export.family:V2BuildFamily"
     title = "CosyVoice2"
-    yaml_name = "cosyvoice2.yaml"
+    release_name = "CosyVoice2"
+    yaml_name = V2_YAML
     speech_tokenizer_file = "speech_tokenizer_v2.onnx"
     config_class = ModelConfig
     request_class: type[Request] = Request
@@ -112,6 +113,9 @@ class V2Family(Family):
         (graphs.FLOW_ESTIMATOR.name, graphs.FLOW_ESTIMATOR_STREAM.name), "estimator"
     )
     profile_builder = staticmethod(v2_profiles)
+    int8_estimator_graphs = {graphs.FLOW_ESTIMATOR.name: graphs.FLOW_ESTIMATOR.name}
+    int8_vocoder_graphs = {graphs.HIFT.name: graphs.HIFT.name}
+    text_special_tokens = COSYVOICE2_SPECIAL_TOKENS
 
     text_streaming = True
 
@@ -138,8 +142,8 @@ class V2Family(Family):
         return v2_config_from_release_dir(model_dir)
 
     def load_text_tokenizer(self, tokenizer_dir: Path) -> QwenTextTokenizer:
-        """The Qwen2 tokenizer files with the family's special tokens (``special_tokens_for``)."""
-        return QwenTextTokenizer.from_dir(tokenizer_dir, special_tokens_for(self.name))
+        """The Qwen2 tokenizer files with the family's special tokens (``text_special_tokens``)."""
+        return QwenTextTokenizer.from_dir(tokenizer_dir, self.text_special_tokens)
 
     def build_stages(
         self, model: LoadedModel, llm_slots: int | None = None, llm_slot_positions: int | None = None
@@ -174,36 +178,35 @@ class V2Family(Family):
         runners, config = model.runners, model.config
         decode_runner = runners.get("llm_decode")  # TensorRT engines: the plain-ONNX batched decode plan
         if decode_runner is not None and slots != 0 and isinstance(decode_runner, TrtRunner):
-            from ...stages.llm_batch import DEFAULT_POSITIONS, DEFAULT_SLOTS
+            from ...stages.llm_batch import DEFAULT_POSITIONS
             from ...stages.trt_llm_batch import TrtBatchedLLMStage
 
-            return TrtBatchedLLMStage(
-                runners["llm"],
-                decode_runner,
-                model.llm_tables,
-                config.llm,
-                slots=DEFAULT_SLOTS if slots is None else slots,
-                positions=DEFAULT_POSITIONS if positions is None else positions,
-            )
-        batch_runner = runners.get("llm_batch")
-        if not isinstance(batch_runner, (OrtRunner, LazyOrtRunner)):
-            batch_runner = None  # the batched decoder binds ONNX Runtime buffers; wrapped runners decode alone
-        if batch_runner is None or slots == 0:
-            if "llm_batch" not in runners and slots != 0 and model.backend == "onnxruntime":
-                _LOGGER.info(
-                    "these engines have no llm_batch.onnx: concurrent requests decode one at a time; rebuild "
-                    "them (`trt-cosy build --force ...`) for continuous batching"
-                )
-            return LLMStage(runners["llm"], model.llm_tables, config.llm)
-        from ...stages.llm_batch import DEFAULT_SLOTS, BatchedLLMStage
+            stage, batched = TrtBatchedLLMStage, decode_runner
+            positions = DEFAULT_POSITIONS if positions is None else positions
+        else:
+            from ...stages.llm_batch import BatchedLLMStage
 
-        return BatchedLLMStage(
+            batched = runners.get("llm_batch")
+            if not isinstance(batched, (OrtRunner, LazyOrtRunner)):
+                batched = None  # the batched decoder binds ONNX Runtime buffers; wrapped runners decode alone
+            if batched is None or slots == 0:
+                if "llm_batch" not in runners and slots != 0 and model.backend == "onnxruntime":
+                    _LOGGER.info(
+                        "these engines have no llm_batch.onnx: concurrent requests decode one at a time; rebuild "
+                        "them (`trt-cosy build --force ...`) for continuous batching"
+                    )
+                return LLMStage(runners["llm"], model.llm_tables, config.llm)
+            stage = BatchedLLMStage
+            positions = _slot_positions(model) if positions is None else positions
+        from ...stages.llm_batch import DEFAULT_SLOTS
+
+        return stage(
             runners["llm"],
-            batch_runner,
+            batched,
             model.llm_tables,
             config.llm,
             slots=DEFAULT_SLOTS if slots is None else slots,
-            positions=_slot_positions(model) if positions is None else positions,
+            positions=positions,
         )
 
     def _stages(self, model: LoadedModel, llm: LLMStage, flow: FlowStage) -> Any:

@@ -20,23 +20,24 @@ from typing import Any, Final
 
 from ...config import (
     QWEN_DIR,
-    YAML_BY_FAMILY,
     CFMConfig,
     HiFTConfig,
     LLMConfig,
     MelConfig,
     ModelConfig,
     QwenConfig,
+    config_from_release_yaml,
     hift_fields,
     mel_config_from_yaml,
     yaml_child,
     yaml_node,
 )
 from ...errors import ModelDirError
-from ...hyperyaml import Tagged, load_hyperyaml
+from ...hyperyaml import Tagged
 from ..v2.config import qwen_llm_config, release_fields
 
 __all__ = [
+    "V3_YAML",
     "V3_SPEECH_SPECIALS",
     "V3_SOS_OFFSET",
     "V3_TASK_OFFSET",
@@ -58,6 +59,7 @@ V3_SOS_OFFSET: Final = 0  # sos = speech_token_size + 0 (a speech_embedding row)
 V3_EOS_OFFSET: Final = 1  # eos = speech_token_size + 1
 V3_TASK_OFFSET: Final = 2  # task_id = speech_token_size + 2
 # CosyVoice3Model.llm_job: FSQ silence/breath tokens; after 5 in a row further ones are dropped.
+V3_YAML: Final = "cosyvoice3.yaml"  # the release yaml that marks a CosyVoice3 directory
 SILENT_TOKENS: Final = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 MAX_SILENT_RUN: Final = 5
 
@@ -159,20 +161,13 @@ _FAMILY: Final = "CosyVoice3"
 def v3_config_from_release_dir(model_dir: Path) -> V3ModelConfig:
     """Read ``cosyvoice3.yaml`` and ``CosyVoice-BlankEN/config.json`` of a CosyVoice3 release."""
     model_dir = Path(model_dir)
-    yaml_path = model_dir / YAML_BY_FAMILY["v3"]
-    if not yaml_path.is_file():
-        raise ModelDirError(
-            f"{model_dir} has no {yaml_path.name}; expected a Fun-CosyVoice3 release directory "
-            f"(cosyvoice3.yaml, llm.pt, flow.pt, hift.pt, {QWEN_DIR}/)."
-        )
-    doc = load_hyperyaml(yaml_path, {"qwen_pretrain_path": str(model_dir / QWEN_DIR)})
-    qwen = QwenConfig.from_json(model_dir / QWEN_DIR / "config.json")
-    try:
-        return _v3_from_yaml(doc, qwen, yaml_path)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelDirError(
-            f"{yaml_path}: a required value is missing or mistyped ({exc!r}). Re-download the release."
-        ) from exc
+    expected = f"a Fun-CosyVoice3 release directory (cosyvoice3.yaml, llm.pt, flow.pt, hift.pt, {QWEN_DIR}/)"
+
+    def parse(doc: dict[str, Any], yaml_path: Path) -> V3ModelConfig:
+        return _v3_from_yaml(doc, QwenConfig.from_json(model_dir / QWEN_DIR / "config.json"), yaml_path)
+
+    overrides = {"qwen_pretrain_path": str(model_dir / QWEN_DIR)}
+    return config_from_release_yaml(model_dir, V3_YAML, expected, parse, overrides)
 
 
 def _v3_from_yaml(doc: dict[str, Any], qwen: QwenConfig, source: Path) -> V3ModelConfig:

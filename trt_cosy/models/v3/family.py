@@ -22,7 +22,7 @@ from typing import Any, Final
 import numpy as np
 
 from ...errors import InputError
-from ...frontend.tokenizer import ENDOFPROMPT
+from ...frontend.tokenizer import COSYVOICE3_SPECIAL_TOKENS, ENDOFPROMPT
 from ...frontend.voice import Voice
 from ...pipeline import Request
 from ...runtime.graphs import GraphSpec
@@ -33,7 +33,7 @@ from ...stages.llm import LLMStage
 from ...synthesis import LLMPrompt
 from ..v2.family import V2Family, V2QualityFeeds
 from . import graphs as graphs_v3
-from .config import V3ModelConfig, v3_config_from_release_dir
+from .config import V3_YAML, V3ModelConfig, v3_config_from_release_dir
 from .graphs import GRAPHS_V3
 from .profiles import v3_profiles
 from .request import V3Request, V3Stages
@@ -64,7 +64,8 @@ class V3Family(V2Family):
     name = "v3"
     build_family = "trt_cosy.models.v3.export.family:V3BuildFamily"
     title = "CosyVoice3"
-    yaml_name = "cosyvoice3.yaml"
+    release_name = "Fun-CosyVoice3"
+    yaml_name = V3_YAML
     speech_tokenizer_file = "speech_tokenizer_v3.onnx"
     config_class = V3ModelConfig
     request_class: type[Request] = V3Request
@@ -79,6 +80,10 @@ class V3Family(V2Family):
         | dict.fromkeys((graphs_v3.HIFT_V3.name, graphs_v3.HIFT_V3_STREAM.name), "vocoder")
     )
     profile_builder = staticmethod(v3_profiles)
+    int8_estimator_graphs: Mapping[str, str] = {}  # the DiT has no middle blocks
+    # Both causal HiFTs, calibrated by the whole-utterance graph's feeds (the streaming one takes the same inputs).
+    int8_vocoder_graphs = {graphs_v3.HIFT_V3.name: graphs_v3.HIFT_V3.name, graphs_v3.HIFT_V3_STREAM.name: graphs_v3.HIFT_V3.name}
+    text_special_tokens = COSYVOICE3_SPECIAL_TOKENS
 
     text_streaming = True
 

@@ -14,11 +14,9 @@ from typing import Any
 import numpy as np
 
 from ...runtime.model import LoadedModel
-from ...stages.flow import FlowStage
 from ...stages.llm import LLMStage
-from ...stages.sampling import greedy_sample
 from ...verify.golden import GoldenSet
-from ...verify.recording import RecordingRunner
+from ...verify.stages import golden_flow_stage, greedy_outputs, scenario_prompt, teacher_forced_outputs
 from . import graphs as graphs_v3
 from .stages import V3VocoderCache, V3VocoderStage, cached_step_outputs
 
@@ -45,20 +43,8 @@ def run_llm_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -
         target[:n_forced],
         (qwen.num_layers, 1, qwen.num_kv_heads, 0, qwen.head_dim),
     )  # [N + 1, V], [N + 1, D]
-    ours: dict[str, Any] = {
-        "llm_tf_lm_input": lm_input,
-        "llm_tf_hidden": hidden,
-        "llm_tf_logits": logits[:, prefix_len - 1 :],  # the rows that predict target tokens
-        "llm_tf_cached_logp": logp,
-        "llm_tf_cached_hidden": cached_hidden,
-    }
-    if "llm_greedy_tokens" in golden:
-        steps = golden["llm_greedy_tokens"].size
-        recorder = RecordingRunner(runner)
-        greedy = LLMStage(recorder, model.llm_tables, model.config.llm)
-        tokens = greedy.generate(text, prompt_text, prompt_speech, greedy_sample, max_new_tokens=steps)
-        ours["llm_greedy_tokens"] = np.asarray(list(tokens), dtype=np.int32)
-        ours["llm_greedy_logits"] = np.stack(recorder.last_logits[:steps])  # [steps, V]
+    ours = teacher_forced_outputs(lm_input, hidden, logits, prefix_len, logp, cached_hidden)
+    ours.update(greedy_outputs(model, golden, runner, text, prompt_text, prompt_speech))
     return ours
 
 
@@ -76,23 +62,18 @@ def _vocoder(model: LoadedModel, golden: GoldenSet) -> V3VocoderStage:
 
 def run_flow_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> dict[str, Any]:
     """Flow per chunk from the golden tokens, then our mel through our streaming vocoder."""
-    runners = model.runners
-    noise = golden["flow_rand_noise"] if "flow_rand_noise" in golden else model.flow_noise
-    flow = FlowStage(
-        runners[graphs_v3.FLOW_ENCODER_V3.name],
-        runners[graphs_v3.FLOW_ESTIMATOR.name],
-        runners[graphs_v3.FLOW_ESTIMATOR_STREAM.name],
-        np.asarray(noise, dtype=np.float32),
-        model.config.flow,
-        incremental_runner=runners.get(graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3.name),
+    flow_graphs = (
+        graphs_v3.FLOW_ENCODER_V3,
+        graphs_v3.FLOW_ESTIMATOR,
+        graphs_v3.FLOW_ESTIMATOR_STREAM,
+        graphs_v3.FLOW_ESTIMATOR_INCREMENTAL_V3,
     )
+    flow = golden_flow_stage(model, golden, flow_graphs)
     vocoder = _vocoder(model, golden)
     ratio = model.config.token_mel_ratio
     ours: dict[str, Any] = {}
     for name, scenario in golden.flow_scenarios():
-        n_prompt = int(scenario["prompt_tokens"])
-        prompt_tokens = golden["in_prompt_speech_token"][:, :n_prompt].astype(np.int64)  # [1, P]
-        prompt_feat = golden["in_prompt_feat"][:, : int(scenario["prompt_feat_frames"])]  # [1, 2P, 80]
+        prompt_tokens, prompt_feat = scenario_prompt(golden, scenario)  # [1, P], [1, 2P, 80]
         cache, pieces = V3VocoderCache(), []
         flow_cache = flow.new_cache()  # incremental chunks where the engines have the graph, as a request
         for index, chunk in enumerate(scenario["chunks"]):

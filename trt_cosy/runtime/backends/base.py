@@ -16,14 +16,28 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from ...errors import InputError
+from ...errors import EngineMismatchError, InputError
 
-__all__ = ["Runner", "LazyRunner", "cast_input", "check_feed"]
+__all__ = [
+    "Runner",
+    "GraphRunner",
+    "KVDecoder",
+    "LazyRunner",
+    "InputSpecs",
+    "cast_input",
+    "check_feed",
+    "engine_file",
+]
+
+InputSpecs = dict[str, tuple[tuple[int | str | None, ...], np.dtype | None]]
+"""Each input's declared shape (a str or None marks a dynamic axis) and numpy dtype (None: fed as given)."""
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -67,6 +81,18 @@ def cast_input(
             f"graph '{graph}' input '{key}' is {dtype}; got {array.dtype}, which does not "
             f"convert safely. Pass {dtype} values."
         ) from exc
+
+
+def engine_file(path: str | Path, what: str, graph: str, backend: str) -> Path:
+    """``path`` when it is a file, else ``EngineMismatchError`` naming ``what`` it should be (``"OpenVINO
+    model"``) and the build that writes it (``trt-cosy build --backend <backend>``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EngineMismatchError(
+            f"{what} {path} for graph '{graph}' does not exist. Rebuild it with "
+            f"`trt-cosy build --backend {backend}`."
+        )
+    return path
 
 
 def check_feed(graph: str, inputs: Iterable[str], feed: Mapping[str, np.ndarray]) -> None:
@@ -123,3 +149,57 @@ class LazyRunner(Generic[RunnerT]):
     def kv_decoder(self, cache_shape: tuple[int, ...]) -> Any:
         """The underlying runner's ``kv_decoder`` (the LLM graph may be deferred)."""
         return self.load().kv_decoder(cache_shape)  # type: ignore[attr-defined]
+
+
+class GraphRunner:
+    """What the CPU backends' runners share (``OrtRunner``, ``OvRunner``): the graph's name, its declared
+    inputs (``_specs``, in the model's order) and outputs, and the feed check and cast of ``infer``.
+
+    ``_writeable``: inputs are handed over as writable arrays (a read-only one is copied), for backends
+    that share only writable memory (OpenVINO)."""
+
+    name: str
+    _specs: InputSpecs
+    _outputs: tuple[str, ...]
+    _writeable: bool = False
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(self._specs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self._outputs
+
+    def input_specs(self) -> InputSpecs:
+        """Each input's declared shape (a str or None marks a dynamic axis) and numpy dtype."""
+        return dict(self._specs)
+
+    def _feed(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every input of ``feed`` checked and cast to its declared dtype (``cast_input``)."""
+        check_feed(self.name, self._specs, feed)
+        return {
+            key: cast_input(self.name, key, feed[key], dtype, self._writeable)
+            for key, (_, dtype) in self._specs.items()
+        }
+
+
+class KVDecoder(ABC):
+    """One request's step-by-step decode through a graph of the ``LLM`` contract, the KV cache kept in
+    the backend's own memory between steps (each step's present bound as the next step's past), so it
+    never round-trips through numpy; only the logits come back. One decoder holds one request's cache:
+    create one per request (the runner is shared). ``cached``: the positions in the cache."""
+
+    def __init__(self) -> None:
+        self.cached = 0
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """Feed ``inputs_embeds`` [1, T, D] after the cached positions; return the logits [1, T, V]."""
+        inputs = np.array(inputs_embeds, dtype=np.float32, order="C")  # [1, T, D], a writable copy
+        logits = self._step(inputs)  # [1, T, V]
+        self.cached += inputs.shape[1]
+        return logits
+
+    @abstractmethod
+    def _step(self, inputs: np.ndarray) -> np.ndarray:
+        """Run ``inputs`` [1, T, D] on the cache and keep the new one; the logits [1, T, V] as numpy."""

@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from ....builder.build_family import BuildFamily
 from ....builder.export import ExportResult, GraphPlan, Progress, export_graph
+from ....builder.quantize.policies import DATA_MAX, LOGITS, NORMS, STFT, PrecisionPolicy
 from ....builder.spk2info import SPK2INFO_FILE, read_spk2info, write_speakers
 from ....family_lookup import FAMILIES
 from ....runtime.engines import SPEAKERS_NAME
@@ -29,6 +30,15 @@ _V1_DEFAULT_TOLERANCE: Final = 1e-4
 
 class V1BuildFamily(BuildFamily):
     family = FAMILIES["v1"]
+    precision_policies = {
+        graphs_v1.V1_TEXT_ENCODER.name: PrecisionPolicy(modules=NORMS, data_max=DATA_MAX),
+        graphs_v1.V1_LLM.name: PrecisionPolicy(modules=NORMS, scopes=LOGITS, data_max=DATA_MAX),
+        graphs_v1.V1_FLOW_ENCODER.name: PrecisionPolicy(modules=NORMS, data_max=DATA_MAX),
+        graphs_v1.V1_FLOW_ESTIMATOR.name: PrecisionPolicy(modules=NORMS, data_max=DATA_MAX),
+        graphs_v1.V1_HIFT.name: PrecisionPolicy(
+            modules=NORMS | STFT | {"F0Predictor", "SineGenSource"}, data_max=DATA_MAX
+        ),
+    }
 
     def load_torch_model(
         self, model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None

@@ -50,11 +50,7 @@ V1_FULL_SIZES: Final = V1YamlSizes(
 )
 
 _TEMPLATE: Final = (
-    """\
-# Random-weight test model written by `trt-cosy make-test-model --family v1` ({size_name}).
-# Structure and tags follow the released CosyVoice-300M cosyvoice.yaml; weights are random.
-"""
-    + parts.SEEDS
+    parts.header(" --family v1", "CosyVoice-300M", "cosyvoice.yaml")
     + """
 sample_rate: 22050
 text_encoder_input_size: {s.text_embed}

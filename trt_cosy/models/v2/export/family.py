@@ -8,6 +8,7 @@ from typing import Any
 from ....builder.build_family import BuildFamily
 from ....builder.export import ExportResult, GraphPlan, Progress, export_model, graph_export_plan
 from ....builder.flow_incremental import unet_incremental_graph
+from ....builder.quantize.policies import GRAPH_POLICIES
 from ....family_lookup import FAMILIES
 from ....runtime.model import LoadedModel
 from .reference import load_torch_model_v2
@@ -18,6 +19,7 @@ __all__ = ["V2BuildFamily"]
 
 class V2BuildFamily(BuildFamily):
     family = FAMILIES["v2"]
+    precision_policies = GRAPH_POLICIES
 
     def load_torch_model(
         self, model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None

@@ -37,19 +37,8 @@ TINY_SIZES: Final = YamlSizes(64, 64, 2, 128, 2, 64, 32, 1, 2, 2, 64, 64)
 FULL_SIZES: Final = YamlSizes(896, 512, 8, 2048, 6, 256, 64, 4, 12, 8, 512, 512)
 
 _TEMPLATE: Final = (
-    """\
-# Random-weight test model written by `trt-cosy make-test-model` ({size_name}).
-# Structure and tags follow the released CosyVoice2-0.5B cosyvoice2.yaml; weights are random.
-"""
-    + parts.SEEDS
-    + """
-"""
-    + parts.QWEN_HEADER
-    + """
-llm: !new:cosyvoice.llm.llm.Qwen2LM
-"""
-    + parts.QWEN_LLM
-    + parts.RAS_SAMPLING
+    parts.header("", "CosyVoice2-0.5B", "cosyvoice2.yaml")
+    + parts.qwen_llm("Qwen2LM")
     + """
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
     input_size: {s.flow_width}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ....builder.build_family import BuildFamily
 from ....builder.export import ExportResult, GraphPlan, Progress
+from ....builder.quantize.policies import DATA_MAX, LOGITS, NORMS, STFT, PrecisionPolicy
 from ....family_lookup import FAMILIES
 from ....runtime.model import LoadedModel
 from ....runtime.profiles import ProfileLimits
@@ -32,8 +33,23 @@ def hift_noise_seconds(config: V3ModelConfig, limits: ProfileLimits | None = Non
     return frames * config.hift.samples_per_frame / config.hift.sampling_rate
 
 
+_DIT: Final = PrecisionPolicy(modules=NORMS, own_nodes=frozenset({"DiTBlock", "DiT"}), data_max=DATA_MAX)
+_CAUSAL_HIFT: Final = PrecisionPolicy(
+    modules=NORMS | STFT | {"CausalF0Predictor", "CausalSourceModule"}, data_max=DATA_MAX
+)
+
+
 class V3BuildFamily(BuildFamily):
     family = FAMILIES["v3"]
+    precision_policies = {
+        "llm": PrecisionPolicy(modules=NORMS | {"RotaryEmbedding"}, scopes=LOGITS, data_max=DATA_MAX),
+        "llm_decode": PrecisionPolicy(modules=NORMS, scopes=LOGITS, data_max=DATA_MAX),
+        "flow_encoder": PrecisionPolicy(modules=NORMS, data_max=DATA_MAX),
+        "flow_estimator": _DIT,
+        "flow_estimator_stream": _DIT,
+        "hift": _CAUSAL_HIFT,
+        "hift_stream": _CAUSAL_HIFT,
+    }
 
     def load_torch_model(
         self, model_dir: Path, threads: int | None = None, *, hift_noise_seconds: float | None = None

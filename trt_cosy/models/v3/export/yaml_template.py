@@ -33,19 +33,8 @@ V3_TINY_SIZES: Final = V3YamlSizes(64, 64, 64, 2, 4, 16, 64, 64)
 V3_FULL_SIZES: Final = V3YamlSizes(896, 1024, 1024, 22, 16, 64, 512, 512)
 
 _TEMPLATE: Final = (
-    """\
-# Random-weight test model written by `trt-cosy make-test-model --family v3` ({size_name}).
-# Structure and tags follow the released Fun-CosyVoice3-0.5B cosyvoice3.yaml; weights are random.
-"""
-    + parts.SEEDS
-    + """
-"""
-    + parts.QWEN_HEADER
-    + """
-llm: !new:cosyvoice.llm.llm.CosyVoice3LM
-"""
-    + parts.QWEN_LLM
-    + parts.RAS_SAMPLING
+    parts.header(" --family v3", "Fun-CosyVoice3-0.5B", "cosyvoice3.yaml")
+    + parts.qwen_llm("CosyVoice3LM")
     + """
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
     input_size: 80

@@ -14,7 +14,7 @@ import numpy as np
 from ....errors import EngineMismatchError, MissingDependencyError, ModelDirError, require
 from ... import heap, run_scope
 from ...cpu_budget import default_threads
-from ..base import LazyRunner, cast_input, check_feed
+from ..base import GraphRunner, KVDecoder, LazyRunner
 
 __all__ = [
     "OrtRunner",
@@ -112,7 +112,7 @@ def _numpy_dtype(ort_type: str) -> np.dtype | None:
         return None
 
 
-class OrtRunner:
+class OrtRunner(GraphRunner):
     """A ``Runner`` over an ONNX Runtime ``InferenceSession``.
 
     Input and output names come from the model. ``infer`` casts every feed to the dtype the model
@@ -124,9 +124,10 @@ class OrtRunner:
     def __init__(self, session: Any, name: str):
         self.name = name
         self.session = session
-        self._inputs = {node.name: node for node in session.get_inputs()}
+        self._specs = {
+            node.name: (tuple(node.shape), _numpy_dtype(node.type)) for node in session.get_inputs()
+        }
         self._outputs = tuple(node.name for node in session.get_outputs())
-        self._dtypes = {key: _numpy_dtype(node.type) for key, node in self._inputs.items()}
 
     @classmethod
     def from_path(
@@ -172,21 +173,8 @@ class OrtRunner:
         _LOGGER.debug("loaded %s as '%s' (%d intra-op threads)", path, name, options.intra_op_num_threads)
         return cls(session, name)
 
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(self._inputs)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._outputs
-
-    def input_specs(self) -> dict[str, tuple[tuple[int | str | None, ...], np.dtype | None]]:
-        """Each input's declared shape (a str or None marks a dynamic axis) and numpy dtype."""
-        return {key: (tuple(node.shape), self._dtypes[key]) for key, node in self._inputs.items()}
-
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        check_feed(self.name, self._inputs, feed)
-        session_feed = {key: self._cast(key, feed[key]) for key in self._inputs}
+        session_feed = self._feed(feed)
         scope = run_scope.current()
         if scope is None:
             outputs = self.session.run(list(self._outputs), session_feed)
@@ -207,9 +195,6 @@ class OrtRunner:
         finally:
             scope.unregister(options)
         return dict(zip(self._outputs, outputs, strict=True))
-
-    def _cast(self, key: str, value: np.ndarray) -> np.ndarray:
-        return cast_input(self.name, key, value, self._dtypes[key])
 
     def kv_decoder(self, cache_shape: tuple[int, ...]) -> OrtKVDecoder:
         """A step-by-step decoder for a graph of the ``LLM`` contract (see ``OrtKVDecoder``)."""
@@ -246,13 +231,13 @@ class LazyOrtRunner(LazyRunner[OrtRunner]):
         return OrtRunner.from_path(self._path, self.name, self._threads, exported=self._exported)
 
 
-class OrtKVDecoder:
-    """Decode through an ``LLM``-contract session with the KV cache kept inside ONNX Runtime.
+class OrtKVDecoder(KVDecoder):
+    """Decode through an ``LLM``-contract session with the KV cache kept inside ONNX Runtime
+    (``base.KVDecoder``).
 
     Each step binds the previous step's ``present_keys``/``present_values`` ORT values as the next
-    ``past_keys``/``past_values`` (IOBinding): the cache never round-trips through numpy, so a step
-    costs no conversion copies and no host concatenation; only the logits come back as numpy. One
-    decoder holds one request's cache: create one per request (the session itself is shared).
+    ``past_keys``/``past_values`` (IOBinding): a step costs no conversion copies and no host
+    concatenation.
 
     Args:
         runner: the ``OrtRunner`` of the LLM graph.
@@ -260,17 +245,15 @@ class OrtKVDecoder:
     """
 
     def __init__(self, runner: OrtRunner, cache_shape: tuple[int, ...]):
+        super().__init__()
         ort = require("onnxruntime", "cpu")
         self._session = runner.session
         self._binding = runner.session.io_binding()
         empty = np.zeros(cache_shape, dtype=np.float32)  # [L, 1, H, 0, Dh]
         self._keys = ort.OrtValue.ortvalue_from_numpy(empty)
         self._values = ort.OrtValue.ortvalue_from_numpy(empty.copy())
-        self.cached = 0  # positions in the cache
 
-    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
-        """Feed ``inputs_embeds`` [1, T, D] after the cached positions; return the logits [1, T, V]."""
-        inputs = np.ascontiguousarray(inputs_embeds, dtype=np.float32)  # [1, T, D]
+    def _step(self, inputs: np.ndarray) -> np.ndarray:
         binding = self._binding
         binding.bind_cpu_input("inputs_embeds", inputs)
         binding.bind_ortvalue_input("past_keys", self._keys)
@@ -280,5 +263,4 @@ class OrtKVDecoder:
             binding.bind_output(name, "cpu")
         self._session.run_with_iobinding(binding)
         logits, self._keys, self._values = binding.get_outputs()
-        self.cached += inputs.shape[1]
         return logits.numpy()  # [1, T, V]

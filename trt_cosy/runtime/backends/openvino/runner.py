@@ -34,7 +34,7 @@ import numpy as np
 
 from ....errors import EngineMismatchError, require
 from ...cpu_budget import default_threads
-from ..base import LazyRunner, cast_input, check_feed
+from ..base import GraphRunner, KVDecoder, LazyRunner, engine_file
 
 __all__ = [
     "OV_BACKEND",
@@ -212,7 +212,7 @@ def _compile_config(threads: int | None, compute: str) -> dict[str, Any]:
     }
 
 
-class OvRunner:
+class OvRunner(GraphRunner):
     """A ``Runner`` over an OpenVINO ``CompiledModel``.
 
     ``infer`` takes an idle infer request from the runner's pool (a new one when every request is
@@ -220,6 +220,8 @@ class OvRunner:
     Feeds are cast to the dtypes the model declares (int64 ids to int32, ...); outputs are copies
     owned by the caller.
     """
+
+    _writeable = True  # OpenVINO shares only writable memory
 
     def __init__(
         self, compiled: Any, name: str, names: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -230,8 +232,7 @@ class OvRunner:
         # add internal names to a port (``{"wav", "squeeze_1"}``) and ``get_any_name`` may pick either;
         # outputs past the model's own (``pin_sinusoid_arguments``) are never returned.
         inputs, outputs = names if names is not None else _port_names(compiled)
-        self._inputs = {key: compiled.inputs[i].get_element_type().to_dtype() for i, key in enumerate(inputs)}
-        self._shapes = {key: compiled.inputs[i].get_partial_shape() for i, key in enumerate(inputs)}
+        self._specs = {key: _input_spec(compiled.inputs[i]) for i, key in enumerate(inputs)}
         self._outputs = outputs
         self._idle: list[Any] = []
         self._lock = threading.Lock()
@@ -258,12 +259,7 @@ class OvRunner:
         process.
         """
         ov = load_openvino()
-        path = Path(path)
-        if not path.is_file():
-            raise EngineMismatchError(
-                f"OpenVINO model {path} for graph '{name}' does not exist. Rebuild it with "
-                "`trt-cosy build --backend openvino`."
-            )
+        path = engine_file(path, "OpenVINO model", name, OV_BACKEND)
         core = core if core is not None else ov.Core()
         if compute == "bf16" and not cpu_has_bf16(core):
             _LOGGER.warning(
@@ -295,29 +291,12 @@ class OvRunner:
         return cls(compiled, name, names)
 
     @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(self._inputs)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._outputs
-
-    @property
     def inference_precision(self) -> str:
         """What the compiled model computes in (OpenVINO's name: ``"f32"``, ``"bf16"``)."""
         return str(self.compiled.get_property("INFERENCE_PRECISION_HINT"))
 
-    def input_specs(self) -> dict[str, tuple[tuple[int | str | None, ...], np.dtype | None]]:
-        """Each input's declared shape (None marks a dynamic axis) and numpy dtype."""
-        specs = {}
-        for key, shape in self._shapes.items():
-            dims = tuple(dim.get_length() if dim.is_static else None for dim in shape)
-            specs[key] = (dims, self._inputs[key])
-        return specs
-
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        check_feed(self.name, self._inputs, feed)
-        inputs = {key: self._cast(key, feed[key]) for key in self._inputs}
+        inputs = self._feed(feed)
         request = self._acquire()
         try:
             result = request.infer(inputs, share_inputs=True, share_outputs=False)
@@ -355,12 +334,15 @@ class OvRunner:
         if libc is not None:
             libc.malloc_trim(0)  # the blocks OpenVINO freed, which glibc keeps in its heaps
 
-    def _cast(self, key: str, value: np.ndarray) -> np.ndarray:  # OpenVINO shares only writable memory
-        return cast_input(self.name, key, value, self._inputs[key], writeable=True)
-
     def kv_decoder(self, cache_shape: tuple[int, ...]) -> OvKVDecoder:
         """A step-by-step decoder for a graph of the ``LLM`` contract (see ``OvKVDecoder``)."""
         return OvKVDecoder(self, cache_shape)
+
+
+def _input_spec(port: Any) -> tuple[tuple[int | None, ...], np.dtype]:
+    """A compiled model input's declared shape (None marks a dynamic axis) and numpy dtype."""
+    dims = tuple(dim.get_length() if dim.is_static else None for dim in port.get_partial_shape())
+    return dims, port.get_element_type().to_dtype()
 
 
 def check_compiles(path: Path, name: str, compute: str, threads: int) -> None:
@@ -418,25 +400,21 @@ class LazyOvRunner(LazyRunner[OvRunner]):
         trusted: bool = False,
     ):
         super().__init__(name)
-        self._path, self._threads, self._compute, self._trusted = Path(path), threads, compute, trusted
-        if not self._path.is_file():
-            raise EngineMismatchError(
-                f"OpenVINO model {self._path} for graph '{name}' does not exist. Rebuild it with "
-                "`trt-cosy build --backend openvino`."
-            )
+        self._path = engine_file(path, "OpenVINO model", name, OV_BACKEND)
+        self._threads, self._compute, self._trusted = threads, compute, trusted
 
     def _create(self) -> OvRunner:
         return OvRunner.from_path(self._path, self.name, self._threads, self._compute, trusted=self._trusted)
 
 
-class OvKVDecoder:
-    """Decode through an ``LLM``-contract model with the KV cache kept in OpenVINO tensors.
+class OvKVDecoder(KVDecoder):
+    """Decode through an ``LLM``-contract model with the KV cache kept in OpenVINO tensors
+    (``base.KVDecoder``).
 
     Two infer requests take turns: each step reads the cache the other request's previous step
     wrote (``present_keys``/``present_values`` bound as ``past_keys``/``past_values``, no copy)
     and writes its own. A request's output memory is only rewritten by its own next step, by which
-    time the other request has read it. Only the logits are copied out. One decoder holds one
-    request's cache: create one per request (the compiled model is shared).
+    time the other request has read it. Only the logits are copied out.
 
     Args:
         runner: the ``OvRunner`` of the LLM graph.
@@ -444,17 +422,15 @@ class OvKVDecoder:
     """
 
     def __init__(self, runner: OvRunner, cache_shape: tuple[int, ...]):
+        super().__init__()
         ov = load_openvino()
         self._tensor = ov.Tensor
         self._requests = (runner.compiled.create_infer_request(), runner.compiled.create_infer_request())
         self._turn = 0
         self._keys = ov.Tensor(np.zeros(cache_shape, dtype=np.float32))  # [L, 1, H, 0, Dh]
         self._values = ov.Tensor(np.zeros(cache_shape, dtype=np.float32))
-        self.cached = 0  # positions in the cache
 
-    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
-        """Feed ``inputs_embeds`` [1, T, D] after the cached positions; return the logits [1, T, V]."""
-        inputs = np.array(inputs_embeds, dtype=np.float32, order="C")  # [1, T, D], a writable copy
+    def _step(self, inputs: np.ndarray) -> np.ndarray:
         request = self._requests[self._turn]
         self._turn ^= 1
         request.set_tensor("inputs_embeds", self._tensor(inputs, shared_memory=True))
@@ -463,5 +439,4 @@ class OvKVDecoder:
         request.infer()
         self._keys = request.get_tensor("present_keys")  # [L, 1, H, P + T, Dh], the request's memory
         self._values = request.get_tensor("present_values")
-        self.cached += inputs.shape[1]
         return request.get_tensor("logits").data.copy()  # [1, T, V]

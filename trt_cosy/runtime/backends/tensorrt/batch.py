@@ -41,7 +41,7 @@ from typing import Any, Final
 import numpy as np
 
 from ....errors import EngineMismatchError, InputError, TrtCosyError
-from ...kv_slots import PrefillCache
+from ...kv_slots import PrefillCache, check_free_row
 from ...llm_decode import cache_input_names
 from .cuda import DeviceBuffer, PinnedBuffer, Pitched, Stream, copy_3d_async
 
@@ -125,10 +125,7 @@ class DeviceKVSlots:
 
     def add(self, cache: PrefillCache) -> int:
         """Copy a prefilled cache into the next free row (one 3D copy; waits for it); returns the row."""
-        if self.count >= self.slots:
-            raise InputError(f"all {self.slots} KV slots are in use")
-        if cache.length > self.capacity:
-            raise InputError(f"a cache of {cache.length} positions exceeds the slot capacity {self.capacity}")
+        check_free_row(self.count, self.slots, self.capacity, cache)
         row, length = self.count, cache.length
         if length:
             shape = (2 * self.layers, self.kv_heads, length, self.head_dim)  # [2L, H, T, Dh]

@@ -44,6 +44,7 @@ from ....errors import EngineMismatchError, InputError, TrtCosyError
 from ...graphs import FLOW_ESTIMATOR_INCREMENTAL, FLOW_STEP_INCREMENTAL
 from ...llm_decode import LLM_DECODE_NAME, device_cache_inputs
 from ...profiles import PROFILES_NAME, GraphProfiles, read_profiles
+from ..base import engine_file
 from .bindings import PlanIO, TensorInfo, dims, nbytes
 from .cuda import CudaError, CudaGraph, DeviceBuffer, Event, PinnedBuffer, Stream
 from .kv import TrtKVDecoder
@@ -218,12 +219,7 @@ class TrtRunner:
     ) -> TrtRunner:
         """Deserialize a plan written by ``trt-cosy build --backend tensorrt`` (``slots`` ≤ the plan's)."""
         trt = load_tensorrt()
-        path = Path(path)
-        if not path.is_file():
-            raise EngineMismatchError(
-                f"TensorRT plan {path} for graph '{name}' does not exist. Rebuild it with "
-                "`trt-cosy build --backend tensorrt`."
-            )
+        path = engine_file(path, "TensorRT plan", name, "tensorrt")
         engine = shared_runtime(trt).deserialize_cuda_engine(path.read_bytes())
         if engine is None:
             raise EngineMismatchError(
@@ -236,11 +232,11 @@ class TrtRunner:
 
     @property
     def input_names(self) -> tuple[str, ...]:
-        return tuple(n for n, info in self._io.items() if info.is_input)
+        return self._plan.input_names
 
     @property
     def output_names(self) -> tuple[str, ...]:
-        return tuple(n for n, info in self._io.items() if not info.is_input)
+        return self._plan.output_names
 
     @property
     def slots(self) -> int:
