@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from trt_cosy.runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
-from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.runtime.backends.onnxruntime.batch import OrtBatchLLM
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
+from trt_cosy.runtime.kv_slots import KVSlots, PrefillCache
 
 PROMPT = 150
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from trt_cosy.runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
-from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.runtime.backends.onnxruntime.batch import OrtBatchLLM
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
+from trt_cosy.runtime.kv_slots import KVSlots, PrefillCache
 
 LENGTHS = (150, 37, 90, 12, 201, 64)
 BATCHES = (([0, 1], None), ([0, 1, 2, 3], 1), ([0, 1, 2, 3, 4, 5], 4), ([5, 3, 0], None))  # (rows, leaves)

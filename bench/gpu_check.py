@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trt_cosy.runtime.base import Runner
+from trt_cosy.runtime.backends.base import Runner
 from trt_cosy.runtime.manifest import model_config_from_dict
 
 TOKEN_RATE = 25  # speech tokens per second (CosyVoice2)
@@ -115,7 +115,7 @@ def measure(runners: Mapping[str, Runner], config, seconds: float) -> dict[str, 
 
 def _device_used() -> int | None:
     try:
-        from trt_cosy.runtime.cuda import memory_info
+        from trt_cosy.runtime.backends.tensorrt.cuda import memory_info
 
         free, total = memory_info()
         return total - free
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows[-1]["device_mb"] = rows[-1]["context_mb"] = None  # ORT runs on the CPU here
     if args.trt:
-        from trt_cosy.runtime.trt import load_plan_runners
+        from trt_cosy.runtime.backends.tensorrt.runner import load_plan_runners
 
         rows.append(_run("tensorrt", lambda: load_plan_runners(args.trt), _config(args.trt), args.seconds))
     print(

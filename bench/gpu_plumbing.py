@@ -22,9 +22,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from trt_cosy.runtime import cuda
+from trt_cosy.runtime.backends.tensorrt import cuda
+from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile
-from trt_cosy.runtime.trt import TrtRunner
 
 # What TrtRunner asks of the tensorrt module: tensor directions, dtype conversion, allocation strategies.
 COPY_TRT = SimpleNamespace(

@@ -1,4 +1,4 @@
-"""Batched LLM decoding on TensorRT (``llm_decode`` plan, ``runtime.trt_batch``): per-step latency
+"""Batched LLM decoding on TensorRT (``llm_decode`` plan, ``runtime.backends.tensorrt.batch``): per-step latency
 against the batch size and greedy-token equality with batch 1 (called by scripts/gpu_check.sh; needs a
 GPU, TensorRT and built plans).
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from trt_cosy.runtime.backends.tensorrt.batch import DeviceKVSlots, TrtBatchLLM, decode_limits
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.kv_slots import PrefillCache
-from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, decode_limits
 
 PROMPTS = (151, 37, 260, 88, 203, 64, 119, 180)  # prompt positions of requests 0..7 (mixed)
 

@@ -48,7 +48,7 @@ step cuda-plumbing python bench/gpu_plumbing.py --json "$WORK/plumbing.json"
 sed 's/^/    /' "$LOGS/cuda-plumbing.log"
 
 python - <<'PY' || exit 3
-from trt_cosy.runtime.cuda import gpu_unavailable_reason, device_info
+from trt_cosy.runtime.backends.tensorrt.cuda import gpu_unavailable_reason, device_info
 reason = gpu_unavailable_reason()
 if reason:
     raise SystemExit(f"CUDA checks passed; the TensorRT checks cannot run: {reason}")

@@ -66,7 +66,7 @@ def step_versions(work: Path) -> str:
     import numpy
 
     import trt_cosy
-    from trt_cosy.runtime.cuda import device_info, gpu_unavailable_reason
+    from trt_cosy.runtime.backends.tensorrt.cuda import device_info, gpu_unavailable_reason
 
     parts = [f"python {sys.version.split()[0]}", f"numpy {numpy.__version__}"]
     parts.append(f"trt-cosy {trt_cosy.__version__}")
@@ -154,9 +154,9 @@ def step_profiles(work: Path) -> str:
     import numpy as np
 
     from trt_cosy.builder.trt.parity import PLAN_TOLERANCES
-    from trt_cosy.runtime.ort import OrtRunner
+    from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
+    from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
     from trt_cosy.runtime.profiles import read_profiles
-    from trt_cosy.runtime.trt import TrtRunner
 
     checked, failures = 0, []
     for family in FAMILIES:
@@ -208,12 +208,12 @@ def step_profiles(work: Path) -> str:
 def step_nan_kv(work: Path) -> str:
     import numpy as np
 
-    from trt_cosy.runtime.cuda import PinnedBuffer, Stream
+    from trt_cosy.runtime.backends.tensorrt.batch import DeviceKVSlots, TrtBatchLLM, cache_dtype
+    from trt_cosy.runtime.backends.tensorrt.cuda import PinnedBuffer, Stream
+    from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
     from trt_cosy.runtime.kv_slots import PrefillCache
     from trt_cosy.runtime.llm_decode import LLM_DECODE_NAME, device_cache_inputs
     from trt_cosy.runtime.profiles import read_profiles
-    from trt_cosy.runtime.trt import TrtRunner
-    from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype
 
     engines = work / "v2"
     profiles = read_profiles(engines / "profiles.json")
@@ -268,13 +268,18 @@ def step_verify(work: Path) -> str:
 def step_timing(work: Path) -> str:
     import numpy as np
 
-    from trt_cosy.runtime.cuda import Event
-    from trt_cosy.runtime.euler import DeviceEulerLoop, guidance_feed, step_schedule
+    from trt_cosy.runtime.backends.tensorrt.batch import (
+        DeviceKVSlots,
+        TrtBatchLLM,
+        cache_dtype,
+        decode_limits,
+    )
+    from trt_cosy.runtime.backends.tensorrt.cuda import Event
+    from trt_cosy.runtime.backends.tensorrt.euler import DeviceEulerLoop, guidance_feed, step_schedule
+    from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
     from trt_cosy.runtime.kv_slots import PrefillCache
     from trt_cosy.runtime.llm_decode import LLM_DECODE_NAME, device_cache_inputs
     from trt_cosy.runtime.profiles import read_profiles
-    from trt_cosy.runtime.trt import TrtRunner
-    from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype, decode_limits
     from trt_cosy.stages.flow import cosine_t_span
 
     engines = work / "v2"
@@ -390,7 +395,7 @@ def _strip_fp32_twins(engines: Path) -> list[str]:
 
 
 def run_steps(work: Path, cpu_only: bool, only: list[str] | None, scale: float = 1.0) -> int:
-    from trt_cosy.runtime.cuda import gpu_unavailable_reason
+    from trt_cosy.runtime.backends.tensorrt.cuda import gpu_unavailable_reason
 
     reason = None if cpu_only else gpu_unavailable_reason()
     results = []

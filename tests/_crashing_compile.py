@@ -12,7 +12,7 @@ def compile_or_crash(path: str, name: str, compute: str, threads: int) -> None:
     crash = {item for item in os.environ.get("TRT_COSY_TEST_CRASH", "").split(",") if item}
     if f"{name}:{compute}" in crash:
         os.kill(os.getpid(), signal.SIGFPE)
-    from trt_cosy.runtime.openvino import compile_in_this_process
+    from trt_cosy.runtime.backends.openvino.runner import compile_in_this_process
 
     compile_in_this_process(path, name, compute, threads)
 

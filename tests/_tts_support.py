@@ -13,8 +13,8 @@ from trt_cosy.frontend.text import TextNormalizer
 from trt_cosy.frontend.tokenizer import QwenTextTokenizer
 from trt_cosy.frontend.voice import VoiceBuilder
 from trt_cosy.pipeline import Request
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 from trt_cosy.runtime.manifest import hash_checkpoint
-from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.streaming import ChunkPlan
 from trt_cosy.tts import model_id_from_checkpoint
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from trt_cosy.cli import main
 from trt_cosy.download import engines_cache_dir, prepare_engines
-from trt_cosy.runtime import backend_choice, cuda
+from trt_cosy.runtime import backend_choice
 from trt_cosy.runtime.backend_choice import (
     CPU_PICKS,
     BackendChoice,
@@ -27,6 +27,7 @@ from trt_cosy.runtime.backend_choice import (
     cpu_pick,
     resolve_backend,
 )
+from trt_cosy.runtime.backends.tensorrt import cuda
 from trt_cosy.runtime.manifest import MANIFEST_NAME, Manifest
 
 

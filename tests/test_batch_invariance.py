@@ -18,9 +18,10 @@ from _support import shared_tiny_engines
 from test_llm_batch import _first_step_waits_for_rows
 
 from trt_cosy import EngineConfig, InputError
+from trt_cosy.runtime.backends.onnxruntime.batch import OrtBatchLLM
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 from trt_cosy.runtime.engines import load_engines
-from trt_cosy.runtime.kv_slots import ROW_GROUP, KVSlots, OrtBatchLLM, PrefillCache
-from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.runtime.kv_slots import ROW_GROUP, KVSlots, PrefillCache
 from trt_cosy.stages.llm_batch import BatchedLLMStage
 from trt_cosy.stages.sampling import RASSampler
 

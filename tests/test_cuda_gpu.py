@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trt_cosy.runtime import cuda
+from trt_cosy.runtime.backends.tensorrt import cuda
 
 _NO_CUDA = cuda.cuda_unavailable_reason()
 
@@ -161,10 +161,10 @@ def test_stage_hand_off_through_device_pointers_and_an_event():
 
 
 def test_device_kv_slots_copy_rows_with_3d_copies():
-    """runtime.trt_batch's KV slots on real device memory: join (pinned -> device), new positions
+    """runtime.backends.tensorrt.batch's KV slots on real device memory: join (pinned -> device), new positions
     (device -> device, one cudaMemcpy3DAsync per row) and a row move, against the same layout in numpy."""
+    from trt_cosy.runtime.backends.tensorrt.batch import DeviceKVSlots
     from trt_cosy.runtime.kv_slots import PrefillCache
-    from trt_cosy.runtime.trt_batch import DeviceKVSlots
 
     layers, heads, capacity, head_dim, count = 3, 2, 16, 8, 3
     shape = (2 * layers, count, heads, capacity, head_dim)  # [2L, S, H, C, Dh]

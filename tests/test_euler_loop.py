@@ -21,17 +21,16 @@ from trt_fakes import FAKE_TRT, FakeContext, FakeEngine, aligned_block
 
 from trt_cosy.config import ModelConfig
 from trt_cosy.models.registry import read_release_config, trt_profiles
-from trt_cosy.runtime import cuda
-from trt_cosy.runtime.euler import (
-    FLOW_STEP,
+from trt_cosy.runtime.backends.tensorrt import cuda
+from trt_cosy.runtime.backends.tensorrt.euler import (
     TIME_STRIDE,
     DeviceEulerLoop,
     guidance_feed,
     step_schedule,
 )
-from trt_cosy.runtime.graphs import FLOW_ESTIMATOR
+from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
+from trt_cosy.runtime.graphs import FLOW_ESTIMATOR, FLOW_STEP
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, step_profiles
-from trt_cosy.runtime.trt import TrtRunner
 from trt_cosy.stages.flow import cosine_t_span
 
 # -- fake cuda bindings and a fake step engine -----------------------------------------------------------

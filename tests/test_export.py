@@ -27,9 +27,9 @@ from trt_cosy.builder.export import TOLERANCES, export_graph, graph_export_plan,
 from trt_cosy.builder.reference import load_torch_model
 from trt_cosy.errors import TrtCosyError
 from trt_cosy.runtime import graphs
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 from trt_cosy.runtime.graphs import GraphSpec, TensorSpec
 from trt_cosy.runtime.manifest import Manifest
-from trt_cosy.runtime.ort import OrtRunner
 
 pytestmark = pytest.mark.slow  # one tiny build (five dynamo exports, ~45 s on 2 cores) per session
 

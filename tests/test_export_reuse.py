@@ -15,8 +15,8 @@ from torch.export import Dim
 
 from trt_cosy.builder.export import export_graph
 from trt_cosy.builder.export_reuse import EXPORT_CACHE_ENV, shared_exports
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 from trt_cosy.runtime.graphs import GraphSpec, TensorSpec
-from trt_cosy.runtime.ort import OrtRunner
 
 SPEC = GraphSpec(
     "toy", inputs=(TensorSpec("x", "float32", (1, "T", 8)),), outputs=(TensorSpec("y", "float32", (1, "T", 4)),)

@@ -24,8 +24,8 @@ from trt_cosy.models.registry import read_release_config
 from trt_cosy.models.v1.request import V1Request, V1Schedule
 from trt_cosy.models.v1.stages import stream_token_chunks
 from trt_cosy.models.v3.request import V3Request
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 from trt_cosy.runtime.manifest import hash_checkpoint, model_config_from_dict
-from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.streaming import ChunkPlan
 from trt_cosy.tts import model_id_from_checkpoint

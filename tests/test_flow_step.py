@@ -20,9 +20,9 @@ from _support import require_build_extra
 from trt_cosy.config import ModelConfig
 from trt_cosy.errors import TrtCosyError
 from trt_cosy.models.registry import read_release_config
-from trt_cosy.runtime.euler import FLOW_STEP, guidance_feed, step_schedule
-from trt_cosy.runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM
-from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
+from trt_cosy.runtime.backends.tensorrt.euler import guidance_feed, step_schedule
+from trt_cosy.runtime.graphs import FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, FLOW_STEP
 from trt_cosy.stages.flow import cosine_t_span, solve_euler
 
 STEP_TOL = 1e-5  # device loop vs host loop, relative to max(1, |x|): float32 rounding only

@@ -17,10 +17,11 @@ from _support import shared_tiny_engines
 
 from trt_cosy import CosyVoice, InputError, SynthesisConfig
 from trt_cosy.builder.onnx.llm_batch import derive_batched_llm
+from trt_cosy.runtime.backends.onnxruntime.batch import OrtBatchLLM
+from trt_cosy.runtime.backends.onnxruntime.runner import LazyOrtRunner, OrtKVDecoder
 from trt_cosy.runtime.engines import load_engines
-from trt_cosy.runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
+from trt_cosy.runtime.kv_slots import KVSlots, PrefillCache
 from trt_cosy.runtime.manifest import Manifest
-from trt_cosy.runtime.ort import LazyOrtRunner, OrtKVDecoder
 from trt_cosy.stages import llm_batch
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.stages.llm_batch import BatchedLLMStage

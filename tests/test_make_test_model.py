@@ -71,7 +71,7 @@ def test_loads_strictly_and_speaks_voiced_noise(tiny_model: Path) -> None:
 
 
 def test_standins_run_with_official_names(tiny_model: Path) -> None:
-    from trt_cosy.runtime.ort import OrtRunner
+    from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
     campplus = OrtRunner.from_path(tiny_model / "campplus.onnx", "campplus")
     tokenizer = OrtRunner.from_path(tiny_model / "speech_tokenizer_v2.onnx", "speech_tokenizer")
@@ -208,7 +208,7 @@ def test_v1_tokenizer_reads_the_ranks_file(family_models: dict[str, Path]) -> No
 def test_v1_v3_standin_tokenizers(
     family_models: dict[str, Path], family: str, tokens: int, codes: int
 ) -> None:
-    from trt_cosy.runtime.ort import OrtRunner
+    from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
     tokenizer = OrtRunner.from_path(
         family_models[family] / f"speech_tokenizer_{family}.onnx", "speech_tokenizer"

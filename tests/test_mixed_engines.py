@@ -35,10 +35,10 @@ from trt_cosy.builder.engines import build_engines  # noqa: E402
 from trt_cosy.builder.flow_incremental import add_incremental_estimator  # noqa: E402
 from trt_cosy.cli import main  # noqa: E402
 from trt_cosy.errors import EngineMismatchError, InputError  # noqa: E402
+from trt_cosy.runtime.backends.onnxruntime.runner import LazyOrtRunner, OrtRunner  # noqa: E402
+from trt_cosy.runtime.backends.openvino.runner import LazyOvRunner, OvRunner, cpu_has_bf16  # noqa: E402
 from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402
 from trt_cosy.runtime.manifest import Manifest  # noqa: E402
-from trt_cosy.runtime.openvino import LazyOvRunner, OvRunner, cpu_has_bf16  # noqa: E402
-from trt_cosy.runtime.ort import LazyOrtRunner, OrtRunner  # noqa: E402
 from trt_cosy.verify.golden import GoldenSet  # noqa: E402
 from trt_cosy.verify.quality import QualityInputs, quality_guard  # noqa: E402
 

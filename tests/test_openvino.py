@@ -1,5 +1,5 @@
 """The OpenVINO backend: build (IR from the plain exports), manifest rules, golden parity, precisions,
-say, streaming, concurrency and the KV decoder (runtime/openvino.py, builder/openvino.py).
+say, streaming, concurrency and the KV decoder (runtime/backends/openvino/runner.py, builder/openvino.py).
 
 fp32 OpenVINO engines of the golden tiny checkpoints of all three families are built once per
 module (one export each, ~1 min); the bf16/int8/int4 engines are derived from them
@@ -30,12 +30,14 @@ ov = pytest.importorskip("openvino", reason="the OpenVINO backend needs `pip ins
 
 from trt_cosy import CosyVoice, EngineConfig, SynthesisConfig  # noqa: E402
 from trt_cosy.builder.engines import build_engines  # noqa: E402
-from trt_cosy.builder.openvino import INT4_GROUP, compress_matmul_weights, derive_openvino_engines  # noqa: E402
+from trt_cosy.builder.openvino import (  # noqa: E402
+    INT4_GROUP,
+    compress_matmul_weights,
+    derive_openvino_engines,
+)
 from trt_cosy.cli import main  # noqa: E402
 from trt_cosy.errors import EngineMismatchError, InputError  # noqa: E402
-from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402
-from trt_cosy.runtime.manifest import Manifest  # noqa: E402
-from trt_cosy.runtime.openvino import (  # noqa: E402
+from trt_cosy.runtime.backends.openvino.runner import (
     FP32_GRAPHS,
     OvKVDecoder,
     OvRunner,
@@ -43,6 +45,8 @@ from trt_cosy.runtime.openvino import (  # noqa: E402
     graph_precisions,
     pin_sinusoid_arguments,
 )
+from trt_cosy.runtime.engines import graph_specs, load_engines  # noqa: E402
+from trt_cosy.runtime.manifest import Manifest  # noqa: E402
 from trt_cosy.verify.golden import GoldenSet  # noqa: E402
 from trt_cosy.verify.quality import QualityInputs, quality_guard  # noqa: E402
 
@@ -193,7 +197,7 @@ def test_a_native_crash_at_compile_falls_back_at_build_and_is_a_clear_error_at_l
     records the fp32 fallback and finishes, engines from elsewhere give a clear error, nothing dies."""
     if not cpu_has_bf16():
         pytest.skip("this CPU has no bf16 kernels: every graph compiles in fp32, so there is no bf16 compile to crash")
-    import trt_cosy.runtime.openvino as ov_runtime
+    import trt_cosy.runtime.backends.openvino.runner as ov_runtime
     from trt_cosy.errors import BuildError, NativeCrashError
     from trt_cosy.runtime import native_guard
 

@@ -1,4 +1,4 @@
-"""What the OpenVINO runner gives back after a call (runtime/openvino.py, docs/benchmarks.md "Mixed
+"""What the OpenVINO runner gives back after a call (runtime/backends/openvino/runner.py, docs/benchmarks.md "Mixed
 engines"): the resident pages of its weights file once the first calls repacked the weights, and, after
 the vocoder and flow-encoder graphs, the compiled model's intermediate memory.
 
@@ -17,8 +17,12 @@ import pytest
 
 ov = pytest.importorskip("openvino", reason="the OpenVINO backend needs `pip install 'trt-cosy[openvino]'`")
 
-from trt_cosy.runtime import openvino as ov_runtime  # noqa: E402
-from trt_cosy.runtime.openvino import RELEASE_AFTER_GRAPHS, OvRunner, drop_weight_pages  # noqa: E402
+from trt_cosy.runtime.backends.openvino import runner as ov_runtime  # noqa: E402
+from trt_cosy.runtime.backends.openvino.runner import (  # noqa: E402
+    RELEASE_AFTER_GRAPHS,
+    OvRunner,
+    drop_weight_pages,
+)
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux only"

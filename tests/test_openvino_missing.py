@@ -23,7 +23,7 @@ def test_missing_openvino_names_the_extra() -> None:
     code = BLOCK_OPENVINO + textwrap.dedent(
         """
         from trt_cosy.errors import MissingDependencyError
-        from trt_cosy.runtime.openvino import OvRunner, graph_precisions
+        from trt_cosy.runtime.backends.openvino.runner import OvRunner, graph_precisions
         assert graph_precisions("bf16", ("llm", "hift")) == {"llm": "bf16", "hift": "fp32"}  # no openvino needed
         try:
             OvRunner.from_path("/nonexistent.xml", "llm")

@@ -21,10 +21,10 @@ from _support import save_test_graph
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.errors import EngineMismatchError, ModelDirError
-from trt_cosy.runtime import ort as ort_module
-from trt_cosy.runtime.base import Runner
+from trt_cosy.runtime.backends.base import Runner
+from trt_cosy.runtime.backends.onnxruntime import runner as ort_module
+from trt_cosy.runtime.backends.onnxruntime.runner import LazyOrtRunner, OrtRunner, use_shared_arena
 from trt_cosy.runtime.engines import LAZY_GRAPHS, load_engines
-from trt_cosy.runtime.ort import LazyOrtRunner, OrtRunner, use_shared_arena
 
 WEIGHT = np.random.default_rng(3).standard_normal((16, 32)).astype(np.float32)  # WEIGHT: [D, H]
 

@@ -15,8 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.errors import EngineMismatchError, InputError, ModelDirError
 from trt_cosy.runtime import heap
-from trt_cosy.runtime.base import Runner
-from trt_cosy.runtime.ort import OrtRunner, default_threads
+from trt_cosy.runtime.backends.base import Runner
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner, default_threads
 
 TABLE = np.random.default_rng(7).standard_normal((50, 16)).astype(np.float32)  # TABLE: [V, D]
 
@@ -134,7 +134,7 @@ def test_missing_and_corrupt_files(tmp_path):
 )
 def test_engines_need_a_recent_onnxruntime(version, ok):
     from trt_cosy.errors import MissingDependencyError
-    from trt_cosy.runtime.ort import check_engine_runtime
+    from trt_cosy.runtime.backends.onnxruntime.runner import check_engine_runtime
 
     if ok:
         check_engine_runtime(version)

@@ -26,7 +26,7 @@ from trt_cosy.builder.quantize.precision import (
 )
 from trt_cosy.errors import MissingDependencyError, TrtCosyError
 from trt_cosy.models.registry import read_release_config
-from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
 RNG = np.random.default_rng(0)
 

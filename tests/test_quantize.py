@@ -32,7 +32,7 @@ from trt_cosy.builder.quantize.engines import (
 from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config
 from trt_cosy.runtime import graphs
-from trt_cosy.runtime.ort import OrtKVDecoder, OrtRunner
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtKVDecoder, OrtRunner
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.verify.quality import THRESHOLDS, next_token_agreement, snr_db
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from trt_cosy.cli import main
-from trt_cosy.runtime.cuda import gpu_unavailable_reason
+from trt_cosy.runtime.backends.tensorrt.cuda import gpu_unavailable_reason
 
 pytest.importorskip("torch", reason="building engines needs the [build] extra")
 

@@ -16,12 +16,12 @@ from trt_fakes import FAKE_TRT, CountingCuda, FakeEngine, host_array
 
 from trt_cosy.errors import EngineMismatchError
 from trt_cosy.models.registry import read_release_config, trt_profiles
-from trt_cosy.runtime import cuda
+from trt_cosy.runtime.backends.tensorrt import cuda
+from trt_cosy.runtime.backends.tensorrt.batch import DeviceKVSlots, TrtBatchLLM, cache_dtype
+from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
 from trt_cosy.runtime.kv_slots import PrefillCache
 from trt_cosy.runtime.llm_decode import LLM_DECODE_NAME, cache_input_names, device_cache_inputs
 from trt_cosy.runtime.profiles import GraphProfiles, ProfileLimits, llm_decode_profiles
-from trt_cosy.runtime.trt import TrtRunner
-from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype
 
 LIMITS = ProfileLimits(max_batch=4, max_context=256, decode_buckets=(64,))
 VOCAB = 16
@@ -156,7 +156,7 @@ def test_a_plan_mixing_cache_dtypes_is_refused(config, counting):
         cache_dtype(runner)
 
 
-# -- one request's LLM decode with the cache on the device (runtime.trt_kv) --------------------------------
+# -- one request's LLM decode with the cache on the device (runtime.backends.tensorrt.kv) --------------------------------
 
 
 def _llm_engine(config) -> tuple[FakeEngine, GraphProfiles]:
@@ -264,7 +264,7 @@ def test_the_incremental_flow_cache_stays_on_the_device(config, counting):
     """Issue 29 item 1: past_blocks bound to the device store, new blocks appended device to device;
     the mel equals the host cache's bit for bit, and a chunk of 50 new frames moves the same bytes at
     50 and at 100 cached frames (nothing grows with the cache)."""
-    from trt_cosy.runtime.trt import BOUND_INPUTS
+    from trt_cosy.runtime.backends.tensorrt.runner import BOUND_INPUTS
     from trt_cosy.stages.flow import cosine_t_span
     from trt_cosy.stages.flow_incremental import FlowCache, solve_euler_incremental
 
@@ -299,7 +299,7 @@ def test_the_incremental_flow_cache_stays_on_the_device(config, counting):
 
 
 def test_a_device_voice_prefix_is_cloned_per_request_and_a_host_one_uploaded_once(config, counting):
-    from trt_cosy.runtime.trt import BOUND_INPUTS
+    from trt_cosy.runtime.backends.tensorrt.runner import BOUND_INPUTS
     from trt_cosy.stages.flow import cosine_t_span
     from trt_cosy.stages.flow_incremental import FlowCache, solve_euler_incremental
 

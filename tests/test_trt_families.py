@@ -23,7 +23,7 @@ from trt_cosy.errors import EngineMismatchError, InputError, MissingDependencyEr
 from trt_cosy.models.registry import read_release_config, trt_graphs, trt_profiles
 from trt_cosy.models.v1 import graphs as graphs_v1
 from trt_cosy.models.v3 import graphs as graphs_v3
-from trt_cosy.runtime.cuda import gpu_unavailable_reason
+from trt_cosy.runtime.backends.tensorrt.cuda import gpu_unavailable_reason
 from trt_cosy.runtime.profiles import read_profiles
 
 DATA = Path(__file__).parent / "data"

@@ -29,8 +29,9 @@ from trt_fakes import FAKE_TRT, CountingCuda, FakeEngine
 
 from trt_cosy.errors import InputError
 from trt_cosy.models.registry import read_release_config, trt_profiles
-from trt_cosy.runtime import cuda, graphs
-from trt_cosy.runtime.cuda import gpu_unavailable_reason
+from trt_cosy.runtime import graphs
+from trt_cosy.runtime.backends.tensorrt import cuda
+from trt_cosy.runtime.backends.tensorrt.cuda import gpu_unavailable_reason
 from trt_cosy.runtime.incremental_profiles import incremental_frames, incremental_profiles
 from trt_cosy.runtime.profiles import GraphProfiles, ProfileLimits
 from trt_cosy.stages.flow import FlowStage
@@ -223,7 +224,7 @@ def trt_tiny(tmp_path_factory, v2_tiny_dir) -> Path:
 
 
 def _ort(engines: Path, file: str, name: str):
-    from trt_cosy.runtime.ort import OrtRunner
+    from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
     return OrtRunner.from_path(engines / file, name, threads=1, exported=True)
 
@@ -318,7 +319,7 @@ def fake_cuda(monkeypatch):
 
 def _fake_trt_runner(trt_tiny: Path, config, limits: ProfileLimits):
     """``TrtRunner`` over a fake engine whose kernels are the fp16 graph on ONNX Runtime."""
-    from trt_cosy.runtime.trt import TrtRunner
+    from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
 
     profiles = incremental_profiles(config, limits)
     graph = _ort(trt_tiny, f"{NAME}.fp16.onnx", NAME)
@@ -335,7 +336,9 @@ def _fake_trt_runner(trt_tiny: Path, config, limits: ProfileLimits):
         compute=lambda views: graph.infer({n: np.array(v) for n, v in views.items()}),
         output_shape=output_shape,
     )
-    from trt_cosy.runtime.trt import BOUND_INPUTS  # past_blocks: the cache's device store
+    from trt_cosy.runtime.backends.tensorrt.runner import (  # past_blocks: the cache's device store
+        BOUND_INPUTS,
+    )
 
     return TrtRunner(engine, NAME, profiles, trt=FAKE_TRT, external=BOUND_INPUTS[NAME]), engine, graph
 
@@ -388,8 +391,8 @@ def _gpu_runners(engines: Path, tmp_path: Path) -> dict:
     """TrtRunners of the encoder, both estimators and the incremental estimator: the plans the engines
     directory has (``trt-cosy build --backend tensorrt``), else plans built here from its fp16 graphs."""
     from trt_cosy.builder.trt.plans import build_plan
+    from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
     from trt_cosy.runtime.profiles import read_profiles
-    from trt_cosy.runtime.trt import TrtRunner
 
     profiles = read_profiles(engines / "profiles.json")
     runners = {}

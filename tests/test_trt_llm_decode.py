@@ -28,13 +28,13 @@ from _support import require_build_extra
 from test_trt_runtime import FakeCuda
 from trt_fakes import FAKE_TRT, CountingCuda, FakeEngine
 
-from trt_cosy.runtime import cuda
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
+from trt_cosy.runtime.backends.tensorrt import cuda
+from trt_cosy.runtime.backends.tensorrt.batch import DeviceKVSlots, TrtBatchLLM
+from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner
 from trt_cosy.runtime.kv_slots import PrefillCache
 from trt_cosy.runtime.llm_decode import LLM_DECODE_NAME, cache_input_names, device_cache_inputs
-from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.runtime.profiles import ProfileLimits, llm_decode_profiles
-from trt_cosy.runtime.trt import TrtRunner
-from trt_cosy.runtime.trt_batch import DeviceKVSlots, TrtBatchLLM
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.stages.sampling import greedy_sample
 

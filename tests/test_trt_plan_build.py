@@ -18,8 +18,8 @@ import pytest
 
 from trt_cosy.builder.trt import plans as trt_build
 from trt_cosy.errors import InputError, TrtCosyError
+from trt_cosy.runtime.backends.tensorrt.runner import PlanRecord
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile, write_profiles
-from trt_cosy.runtime.trt import PlanRecord
 
 PROFILES = GraphProfiles(
     "toy",

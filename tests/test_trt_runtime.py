@@ -17,9 +17,15 @@ import pytest
 from trt_fakes import FAKE_TRT, USER_MANAGED, FakeEngine, aligned_block
 
 from trt_cosy.errors import EngineMismatchError, InputError, MissingDependencyError, TrtCosyError
-from trt_cosy.runtime import cuda
+from trt_cosy.runtime.backends.tensorrt import cuda
+from trt_cosy.runtime.backends.tensorrt.runner import (
+    PlanRecord,
+    TrtRunner,
+    checkpoint_digest,
+    load_tensorrt,
+    plan_mismatch,
+)
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile
-from trt_cosy.runtime.trt import PlanRecord, TrtRunner, checkpoint_digest, load_tensorrt, plan_mismatch
 
 
 class _Err(enum.IntEnum):
@@ -464,7 +470,7 @@ def test_one_logger_and_one_runtime_serve_every_plan(fake_cuda, monkeypatch, tmp
     """Issue 19 item 6: TensorRT keeps the first logger; one logger and one Runtime per process."""
     import logging
 
-    from trt_cosy.runtime import trt as trt_runtime
+    from trt_cosy.runtime.backends.tensorrt import runner as trt_runtime
 
     trt, created = _fake_trt_module(toy_engine)
     monkeypatch.setattr(trt_runtime, "load_tensorrt", lambda: trt)
@@ -475,7 +481,7 @@ def test_one_logger_and_one_runtime_serve_every_plan(fake_cuda, monkeypatch, tmp
     del runners[0]
     assert len(created["runtimes"]) == 1 and len(created["loggers"]) == 1, created
     logger = created["runtimes"][0].logger
-    with caplog.at_level(logging.DEBUG, logger="trt_cosy.runtime.trt"):
+    with caplog.at_level(logging.DEBUG, logger="trt_cosy.runtime.backends.tensorrt.runner"):
         logger.log(trt.ILogger.Severity.VERBOSE, "a verbose detail")  # below DEBUG: dropped first
         logger.log(trt.ILogger.Severity.WARNING, "a warning")
     messages = [record.getMessage() for record in caplog.records]
@@ -485,7 +491,7 @@ def test_one_logger_and_one_runtime_serve_every_plan(fake_cuda, monkeypatch, tmp
 def test_load_plan_runners_refuses_more_slots_than_the_plans_hold(fake_cuda, monkeypatch, tmp_path):
     import json
 
-    from trt_cosy.runtime import trt as trt_runtime
+    from trt_cosy.runtime.backends.tensorrt import runner as trt_runtime
     from trt_cosy.runtime.profiles import write_profiles
 
     trt, _ = _fake_trt_module(toy_engine)  # plans built for one slot
@@ -589,8 +595,8 @@ def test_tensorrt_modules_import_without_tensorrt_or_cuda():
         sys.modules["tensorrt"] = None  # importing it raises ImportError
         sys.modules["cuda"] = None
         import trt_cosy
-        import trt_cosy.runtime.trt, trt_cosy.runtime.cuda, trt_cosy.runtime.profiles, trt_cosy.builder.trt.plans
-        from trt_cosy.runtime.cuda import gpu_unavailable_reason
+        import trt_cosy.runtime.backends.tensorrt.runner, trt_cosy.runtime.backends.tensorrt.cuda, trt_cosy.runtime.profiles, trt_cosy.builder.trt.plans
+        from trt_cosy.runtime.backends.tensorrt.cuda import gpu_unavailable_reason
         print(gpu_unavailable_reason())
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -623,7 +629,7 @@ def _toy_onnx(path):
 @pytest.mark.skipif(_NO_GPU is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_NO_GPU}")
 def test_toy_plan_matches_onnxruntime_on_gpu(tmp_path):
     from trt_cosy.builder.trt.plans import build_plan
-    from trt_cosy.runtime.ort import OrtRunner
+    from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
     source = _toy_onnx(tmp_path / "toy.onnx")
     plan = build_plan(source, tmp_path / "toy.plan", PROFILES, tmp_path / "timing.cache")
@@ -644,7 +650,7 @@ def test_two_threads_on_two_slots_match_onnxruntime_on_gpu(tmp_path):
     import threading
 
     from trt_cosy.builder.trt.plans import build_plan
-    from trt_cosy.runtime.ort import OrtRunner
+    from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
     source = _toy_onnx(tmp_path / "toy.onnx")
     plan = build_plan(source, tmp_path / "toy.plan", PROFILES, tmp_path / "timing.cache", slots=2)
@@ -676,9 +682,9 @@ def test_lazy_plans_are_checked_at_load_and_deserialised_on_first_use(fake_cuda,
     """Issue 29 item 3: plans load when first needed; the record check still happens at load."""
     import json
 
-    from trt_cosy.runtime import trt as trt_runtime
+    from trt_cosy.runtime.backends.tensorrt import runner as trt_runtime
+    from trt_cosy.runtime.backends.tensorrt.lazy import LazyTrtRunner, load_plans
     from trt_cosy.runtime.profiles import write_profiles
-    from trt_cosy.runtime.trt_lazy import LazyTrtRunner, load_plans
 
     made = []
     trt, _ = _fake_trt_module(lambda: made.append(toy_engine()) or made[-1])
@@ -706,7 +712,7 @@ def test_lazy_plans_are_checked_at_load_and_deserialised_on_first_use(fake_cuda,
 
 
 def test_plain_estimator_plans_are_deferred_where_step_plans_exist():
-    from trt_cosy.runtime.trt_lazy import deferred_plans
+    from trt_cosy.runtime.backends.tensorrt.lazy import deferred_plans
 
     plans = ["llm", "llm_decode", "flow_encoder", "flow_estimator", "flow_estimator_stream", "flow_step",
              "flow_step_stream", "hift"]  # fmt: skip

@@ -28,7 +28,7 @@ from trt_cosy.models.v3.stages import (
     cached_step_outputs,
     filter_silent_tokens,
 )
-from trt_cosy.runtime.base import Runner
+from trt_cosy.runtime.backends.base import Runner
 from trt_cosy.stages.flow import FlowOutput, FlowStage
 from trt_cosy.stages.llm import LLMStage
 from trt_cosy.stages.sampling import greedy_sample

@@ -33,9 +33,9 @@ from trt_cosy.builder.quantize.vocoder_int8 import (
     int8_convolutions,
     quantize_vocoders,
 )
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.manifest import Manifest
-from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.verify.quality import snr_db
 
 SNR_BOUND = 30.0  # dB, waveform vs fp32 (measured 37.4 on the golden inputs)

@@ -18,7 +18,7 @@ from trt_cosy.config import MelConfig
 from trt_cosy.errors import InputError
 from trt_cosy.frontend.features import speaker_features
 from trt_cosy.frontend.voice import VOICE_FORMAT_VERSION, Voice, VoiceBuilder
-from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
 FEATURES = Path(__file__).parent / "data" / "features"
 NAMES = ["en_16k_mono", "en_44k1_stereo", "zh_16k_mono", "zh_22k05_stereo"]

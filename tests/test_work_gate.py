@@ -100,7 +100,7 @@ def test_cancel_aborts_a_running_onnx_runtime_graph(tmp_path):
     from _support import save_test_graph
     from onnx import TensorProto, helper
 
-    from trt_cosy.runtime.ort import OrtRunner
+    from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
     # 400 chained 512x512 matmuls: long enough (hundreds of ms) to be cut off in the middle.
     nodes, previous = [], "x"

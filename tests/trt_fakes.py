@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from trt_cosy.runtime import cuda
+from trt_cosy.runtime.backends.tensorrt import cuda
 from trt_cosy.runtime.profiles import GraphProfiles
 
 STATIC, ON_PROFILE_CHANGE, USER_MANAGED = 0, 1, 2

@@ -18,7 +18,7 @@ from .models.registry import FAMILIES, family_named, family_of
 from .models.v1.family import V1_INSTRUCT_MARKER, V1_MAX_SEGMENT_SECONDS, V1TextTokenizer, V1VoiceBuilder
 from .models.v3.family import V3_SYSTEM_PROMPT
 from .pipeline import Request
-from .runtime.base import Runner
+from .runtime.backends.base import Runner
 from .runtime.model import LoadedModel
 from .synthesis import LLMPrompt
 

@@ -34,8 +34,8 @@ from .frontend.tokenizer import QwenTextTokenizer
 from .frontend.voice import Voice, VoiceBuilder
 from .models.registry import family_named
 from .pipeline import CancellableChunks, Request, iterate_in_thread
+from .runtime.backends.onnxruntime.runner import LazyOrtRunner
 from .runtime.model import LoadedModel
-from .runtime.ort import LazyOrtRunner
 from .stages.bistream import TextStream, pump_async_text
 from .synthesis import (
     AudioChunk,

@@ -37,10 +37,10 @@ from typing import Final
 from ..config import ModelConfig
 from ..errors import EngineMismatchError, InputError, TrtCosyError
 from ..family_lookup import family_named
+from ..runtime.backends.openvino.runner import OV_PRECISIONS
 from ..runtime.engines import MODEL_CONFIG_NAME, TOKENIZER_DIR
 from ..runtime.llm_decode import LLM_DECODE_NAME
 from ..runtime.manifest import MANIFEST_NAME, GraphRecord, Manifest, hash_checkpoint
-from ..runtime.openvino import OV_PRECISIONS
 from ..version import __version__
 from .export import OPSET, ExportResult, graph_record
 from .family_engines import (
@@ -110,7 +110,7 @@ def build_engines(
     _check_options(backend, precision)
     check_family_options(Path(model_dir), backend, precision)
     if backend == "tensorrt" and not onnx_only:
-        from ..runtime.trt import load_tensorrt
+        from ..runtime.backends.tensorrt.runner import load_tensorrt
 
         load_tensorrt()  # fail before a long export when plans cannot be built here
     if backend in ("openvino", "mixed"):
@@ -169,7 +169,7 @@ def _check_options(backend: str, precision: str) -> None:
 def _check_openvino(precision: str) -> None:
     """OpenVINO must be importable before a long export; bf16 engines on a CPU without bf16 kernels
     are built (they are portable) but will compute in float32 here, which the build says."""
-    from ..runtime.openvino import cpu_has_bf16, load_openvino
+    from ..runtime.backends.openvino.runner import cpu_has_bf16, load_openvino
 
     load_openvino()
     if precision != "fp32" and not cpu_has_bf16():

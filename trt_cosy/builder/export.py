@@ -31,10 +31,10 @@ from torch.export import Dim
 from ..config import ModelConfig
 from ..errors import TrtCosyError
 from ..runtime import graphs
+from ..runtime.backends.onnxruntime.runner import OrtRunner
 from ..runtime.graphs import GraphSpec
 from ..runtime.manifest import GraphRecord, TensorRecord
 from ..runtime.model import LoadedModel
-from ..runtime.ort import OrtRunner
 from . import export_reuse
 from .progress import emitter
 

@@ -177,7 +177,7 @@ def _write_incremental_ir(
     """The incremental estimator of OpenVINO or mixed engines (``manifest``) as OpenVINO IR in
     ``out_dir``, stored as their builds store the flow estimators: float16 weights where it computes
     in bfloat16 in mixed engines (``builder.mixed``), float32 in OpenVINO engines (``builder.engines``)."""
-    from ..runtime.openvino import graph_precisions
+    from ..runtime.backends.openvino.runner import graph_precisions
     from .openvino import convert_engine_graphs
 
     name = graphs.FLOW_ESTIMATOR_INCREMENTAL.name

@@ -7,7 +7,7 @@ trip. The step graph moves the per-step host work into the graph:
     v      = estimator(concat(x, x), mask, mu, expand(t, 2), spks, cond)   # [2, 80, F]
     x_next = x + dt * ((1 + cfg) * v[0] - cfg * v[1])                      # [1, 80, F]
 
-so ``runtime.euler.DeviceEulerLoop`` can chain the n steps on one stream. The added nodes compute
+so ``runtime.backends.tensorrt.euler.DeviceEulerLoop`` can chain the n steps on one stream. The added nodes compute
 in float32 in the order ``solve_euler`` does (``guided * v0 - unguided * v1``, then ``x + dt * v``),
 so both loops agree to float32 rounding. The estimator may be the fp32 export or the fp16 graph of
 ``builder.quantize.precision`` (its I/O stays float32 by default; fp16 I/O gets Casts at the border). Its
@@ -26,8 +26,7 @@ import onnx.compose
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrtCosyError
-from ..runtime.euler import FLOW_STEP
-from ..runtime.graphs import FLOW_ESTIMATOR
+from ..runtime.graphs import FLOW_ESTIMATOR, FLOW_STEP
 from .onnx.files import save_onnx
 
 __all__ = ["ESTIMATOR_PREFIX", "wrap_estimator_step", "write_flow_step"]

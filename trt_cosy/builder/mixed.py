@@ -4,7 +4,7 @@
 ``MatMulNBits`` + ``GroupQueryAttention`` graph and the batched ``llm_batch.onnx``, as in ONNX Runtime
 engines of that precision) and converts every other graph (flow encoder, estimators, HiFT) to
 OpenVINO IR, where they compute in bfloat16 (HiFT in float32) on CPUs with bf16 kernels
-(``runtime.openvino.graph_precisions``); the bf16 graphs store float16 weights, which the CPU plugin
+(``runtime.backends.openvino.runner.graph_precisions``); the bf16 graphs store float16 weights, which the CPU plugin
 converts at compile time (the process then holds the bf16 copies and a half-size mapped file, not a
 float32 one). ``--precision fp32`` keeps every graph float32 (for ``trt-cosy verify``). Measured at full size: docs/benchmarks.md, "Mixed engines".
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Final
 
 from ..runtime import graphs
+from ..runtime.backends.openvino.runner import graph_precisions
 from ..runtime.engines import ORT_BACKEND, OV_BACKEND
 from ..runtime.manifest import GraphRecord
-from ..runtime.openvino import graph_precisions
 from .onnx.llm_batch import batch_graph_record, write_batched_llm
 from .onnx.passes import rewrite_engine_graphs
 from .openvino import convert_engine_graphs

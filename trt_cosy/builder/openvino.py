@@ -11,7 +11,7 @@ plugin runs as weight-decompressing FullyConnected kernels (``Constant(i8|i4) ->
 Multiply(scale) [-> Reshape] -> MatMul``, symmetric): int8 per output channel; int4 in groups of
 ``INT4_GROUP`` along the reduction axis, with the LLM's output projection (``llm_decoder``, the
 last MatMul) kept int8 as the most sensitive layer. What each engines precision computes in is
-decided at load time (``runtime.openvino.graph_precisions``).
+decided at load time (``runtime.backends.openvino.runner.graph_precisions``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any, Final
 import numpy as np
 
 from ..errors import BuildError
+from ..runtime.backends.openvino.runner import IR_SUFFIX, load_openvino
 from ..runtime.manifest import GraphRecord, Manifest
-from ..runtime.openvino import IR_SUFFIX, load_openvino
 
 __all__ = [
     "INT4_GROUP",
@@ -103,13 +103,13 @@ def check_graph_compiles(
     a load on a machine like this one trusts instead of checking again.
     """
     from ..runtime import native_guard
-    from ..runtime.openvino import (
+    from ..runtime.backends.onnxruntime.runner import default_threads
+    from ..runtime.backends.openvino.runner import (
         COMPILE_CHECK_TARGET,
         OV_BACKEND,
         cpu_has_bf16,
         graph_precisions,
     )
-    from ..runtime.ort import default_threads
 
     ov = load_openvino()
     version = ov.get_version()
@@ -254,7 +254,7 @@ def derive_openvino_engines(
     computes in is decided at load time). The manifest gets the new precision and file sizes.
     """
     from ..errors import InputError
-    from ..runtime.openvino import OV_BACKEND, OV_PRECISIONS
+    from ..runtime.backends.openvino.runner import OV_BACKEND, OV_PRECISIONS
     from .derived import write_derived_engines
 
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)

@@ -24,7 +24,7 @@ __all__ = ["compose_tuned_engines"]
 
 def compose_tuned_engines(record: TuningRecord, dirs: Mapping[tuple[str, str], Path], staging: Path) -> None:
     """Write the chosen graphs of each stage and the shared files into ``staging``, with the manifest."""
-    from ..runtime.openvino import graph_precisions
+    from ..runtime.backends.openvino.runner import graph_precisions
 
     chosen = {stage: (choice.backend, choice.precision) for stage, choice in record.stages.items()}
     base_key = chosen["llm"]

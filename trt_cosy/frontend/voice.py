@@ -22,7 +22,7 @@ import numpy as np
 from ..audio import load_audio
 from ..config import MelConfig
 from ..errors import InputError
-from ..runtime.base import Runner
+from ..runtime.backends.base import Runner
 from .features import (
     SPEAKER_SAMPLE_RATE,
     align_prompt,

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import InputError
 from ..frontend.voice import Voice, VoiceBuilder
 from ..pipeline import Request
-from ..runtime.base import Runner
+from ..runtime.backends.base import Runner
 from ..runtime.graphs import GraphSpec
 from ..runtime.model import LoadedModel
 from ..stages.bistream import BistreamPrompt

@@ -5,7 +5,7 @@ engines that pass the quality guard and run here (``CPU_PICKS``: bf16-capable CP
 prints in one line and the build records in the manifest (``backend_reason``).
 
 Detection never creates a TensorRT object: the CUDA device count is asked first (via cuda-python,
-``runtime.cuda``) and ``tensorrt`` is imported only when a device was found and the package is
+``runtime.backends.tensorrt.cuda``) and ``tensorrt`` is imported only when a device was found and the package is
 installed (creating a TensorRT runtime without a GPU crashes the process, docs/environment-notes.md).
 """
 
@@ -92,7 +92,7 @@ def gpu_unavailable_reason() -> str | None:
     if not installed:
         return "tensorrt is not installed"
     try:
-        from .cuda import gpu_unavailable_reason as cuda_reason
+        from .backends.tensorrt.cuda import gpu_unavailable_reason as cuda_reason
 
         return cuda_reason()  # device count first, then `import tensorrt` (no TensorRT object)
     except Exception as exc:  # a broken install must not stop a CPU build
@@ -105,7 +105,7 @@ def cpu_has_bf16_kernels() -> bool:
     try:
         if importlib.util.find_spec("openvino") is None:
             return False
-        from .openvino import cpu_has_bf16
+        from .backends.openvino.runner import cpu_has_bf16
 
         return cpu_has_bf16()
     except Exception as exc:  # a broken install must not stop a CPU build

@@ -19,10 +19,10 @@ import numpy as np
 from ..errors import EngineMismatchError
 from ..family_lookup import family_named
 from . import graphs
-from .base import Runner
+from .backends.base import Runner
+from .backends.onnxruntime.runner import LazyOrtRunner, OrtRunner, default_threads
 from .manifest import Manifest, model_config_from_dict
 from .model import LoadedModel
-from .ort import LazyOrtRunner, OrtRunner, default_threads
 
 __all__ = [
     "load_engines",
@@ -84,8 +84,8 @@ def load_engines(
     whose session is created by its first call, and so do the two LLM graphs when the engines have the
     batched decode graph (only one of them is used); pass ``()`` to create every session now.
     On TensorRT the plans of ``lazy_graphs`` and the plain estimator plans where the step plans run the
-    Euler loop are deserialised on first use (``runtime.trt_lazy``).
-    ``backend="openvino"`` compiles the OpenVINO IR of each graph (``runtime.openvino``; lazy graphs
+    Euler loop are deserialised on first use (``runtime.backends.tensorrt.lazy``).
+    ``backend="openvino"`` compiles the OpenVINO IR of each graph (``runtime.backends.openvino.runner``; lazy graphs
     on first use); ``backend="mixed"`` loads engines built with ``trt-cosy build --backend mixed``
     (the LLM graphs on ONNX Runtime, the others on OpenVINO, as each graph's manifest record says);
     ``backend="auto"`` loads the engines on the backend their manifest names.
@@ -102,9 +102,9 @@ def load_engines(
         warn_if_tuned_elsewhere(manifest.tuning, engines_dir, machine().key, machine().cpu)
     config = model_config_from_dict(_read_json(engines_dir / MODEL_CONFIG_NAME))
     if backend == TRT_BACKEND:
+        from .backends.tensorrt.lazy import deferred_plans, load_plans
+        from .backends.tensorrt.runner import checkpoint_digest
         from .profiles import PROFILES_NAME, read_profiles
-        from .trt import checkpoint_digest
-        from .trt_lazy import deferred_plans, load_plans
 
         _check_trt_graphs(engines_dir, config.family)
         lazy = deferred_plans(read_profiles(engines_dir / PROFILES_NAME), lazy_graphs)
@@ -190,7 +190,13 @@ def _openvino_opener(manifest: Manifest, names: list[str], threads: int | None):
     the manifest's precision (lazy graphs on first use), through OpenVINO's compiled-model cache
     (``compiled_model_cache``). Graphs the manifest records as compiled on a machine like this one
     (``trusted_compiles``) compile at once; the others are checked in a child process first."""
-    from .openvino import LazyOvRunner, OvRunner, compiled_model_cache, graph_precisions, load_openvino
+    from .backends.openvino.runner import (
+        LazyOvRunner,
+        OvRunner,
+        compiled_model_cache,
+        graph_precisions,
+        load_openvino,
+    )
 
     computes = graph_precisions(manifest.precision, tuple(names))
     computes.update({name: manifest.graphs[name].compute for name in names if manifest.graphs[name].compute})

@@ -21,6 +21,9 @@ __all__ = [
     "FLOW_ESTIMATOR_STREAM",
     "FLOW_ESTIMATOR_INCREMENTAL",
     "HIFT",
+    "FLOW_STEP",
+    "FLOW_STEP_STREAM",
+    "STEP_GRAPHS",
     "incremental_estimator_spec",
 ]
 
@@ -164,3 +167,22 @@ HIFT: Final = GraphSpec(
 )
 
 GRAPHS: Final = {g.name: g for g in (LLM, FLOW_ENCODER, FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, HIFT)}
+
+# The estimator wrapped into one guided Euler step (``builder.flow_step``), for TensorRT's device
+# Euler loop (``backends.tensorrt.euler``).
+_STEP_INPUTS: Final = (
+    TensorSpec("x", "float32", (1, 80, "F")),
+    TensorSpec("mask", "float32", (2, 1, "F")),
+    TensorSpec("mu", "float32", (2, 80, "F")),
+    TensorSpec("t", "float32", (1,)),
+    TensorSpec("dt", "float32", (1,)),
+    TensorSpec("spks", "float32", (2, 80)),
+    TensorSpec("cond", "float32", (2, 80, "F")),
+)
+_STEP_OUTPUTS: Final = (TensorSpec("x_next", "float32", (1, 80, "F")),)
+
+# One guided Euler step around the estimator (full attention / 50-frame chunk attention).
+FLOW_STEP: Final = GraphSpec("flow_step", _STEP_INPUTS, _STEP_OUTPUTS)
+FLOW_STEP_STREAM: Final = GraphSpec("flow_step_stream", _STEP_INPUTS, _STEP_OUTPUTS)
+STEP_GRAPHS: Final = {"flow_estimator": FLOW_STEP, "flow_estimator_stream": FLOW_STEP_STREAM}
+"""Estimator graph name -> the step graph wrapped around it."""

@@ -1,6 +1,6 @@
 """The contract of ``llm_decode``: the batched LLM decode step in plain ONNX, for TensorRT engines of
 the Qwen2 families (exported by ``builder.trt.llm_decode`` from ``builder.modules.llm_decode``, driven by
-``runtime.trt_batch`` and ``stages.llm_batch``).
+``runtime.backends.tensorrt.batch`` and ``stages.llm_batch``).
 
 Per step, B rows (requests) each add one position. Inputs: ``inputs_embeds`` [B, 1, D];
 ``past_lengths`` [B] int32 (cached positions of each row: its new position's index);

@@ -75,7 +75,7 @@ class GraphRecord:
     graph, ``runtime.engines``); None means the manifest's own backend. ``compute``: the precision
     this graph computes in when the build had to fall back from the engines' plan (an OpenVINO graph
     whose bf16 compile crashed on the build machine runs in fp32), with ``compute_reason`` saying why;
-    None: the plan (``runtime.openvino.graph_precisions``).
+    None: the plan (``runtime.backends.openvino.runner.graph_precisions``).
     """
 
     file: str

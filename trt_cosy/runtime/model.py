@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Runner
+from .backends.base import Runner
 
 __all__ = ["LoadedModel"]
 

@@ -20,8 +20,7 @@ from typing import Any, Final, Protocol
 
 from ..config import HiFTConfig, ModelConfig
 from ..errors import EngineMismatchError, InputError
-from .euler import FLOW_STEP, STEP_GRAPHS
-from .graphs import GraphSpec
+from .graphs import FLOW_STEP, STEP_GRAPHS, GraphSpec
 
 __all__ = [
     "PROFILES_NAME",

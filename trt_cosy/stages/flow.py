@@ -21,8 +21,9 @@ import numpy as np
 
 from ..config import FlowConfig
 from ..errors import InputError
-from ..runtime.base import Runner
-from ..runtime.euler import FLOW_STEP, FLOW_STEP_STREAM, DeviceEulerLoop, guidance_feed, step_schedule
+from ..runtime.backends.base import Runner
+from ..runtime.backends.tensorrt.euler import DeviceEulerLoop, guidance_feed, step_schedule
+from ..runtime.graphs import FLOW_STEP, FLOW_STEP_STREAM
 from .flow_incremental import (
     DEFAULT_LIMIT_BYTES,
     DEFAULT_VOICE_SLOTS,

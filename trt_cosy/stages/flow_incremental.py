@@ -33,8 +33,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..runtime.base import Runner
-from ..runtime.device_blocks import DeviceBlocks
+from ..runtime.backends.base import Runner
+from ..runtime.backends.tensorrt.device_blocks import DeviceBlocks
 from ..runtime.incremental_profiles import DEFAULT_LIMIT_BYTES
 from ..runtime.profiles import GraphProfiles
 
@@ -178,7 +178,7 @@ class FlowCache:
         self._shared = [prefix.past(step)[0] for step in range(min(self.steps, prefix.steps))]
         self._blocks = []
         if prefix.device is not None:  # a device prefix: this request extends its own copy of it
-            from ..runtime.cuda import Stream
+            from ..runtime.backends.tensorrt.cuda import Stream
 
             with Stream() as stream:
                 self.device = prefix.device.clone(stream)
@@ -390,7 +390,7 @@ def _device_velocity(runner: Any, cache: FlowCache, frames: int) -> VelocityOf:
 
 def _upload_host_blocks(runner: Any, cache: FlowCache) -> None:
     """Copy the blocks a cache holds on the host into its (new) device store, once."""
-    from ..runtime.cuda import DeviceBuffer, PinnedBuffer
+    from ..runtime.backends.tensorrt.cuda import DeviceBuffer, PinnedBuffer
 
     store = cache.device
     assert store is not None

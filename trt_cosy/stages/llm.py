@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import LLMConfig
 from ..errors import InputError, ModelDirError
-from ..runtime.base import Runner
+from ..runtime.backends.base import Runner
 from .bistream import BistreamPrompt, TextStream, bistream_program, decode_alone
 from .sampling import Sampler, log_softmax
 

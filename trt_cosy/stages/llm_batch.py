@@ -41,8 +41,9 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from ..config import LLMConfig
-from ..runtime.base import Runner
-from ..runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
+from ..runtime.backends.base import Runner
+from ..runtime.backends.onnxruntime.batch import OrtBatchLLM
+from ..runtime.kv_slots import KVSlots, PrefillCache
 from .bistream import BistreamPrompt, Feed, NeedText, Stop, TextStream, advance
 from .llm import LLMStage
 from .sampling import Sampler, log_softmax

@@ -1,5 +1,5 @@
 """``BatchedLLMStage`` on TensorRT: the shared decode loop of ``stages.llm_batch`` over the
-``llm_decode`` plan and device KV slots (``runtime.trt_batch``); prefill runs the ``llm`` plan at
+``llm_decode`` plan and device KV slots (``runtime.backends.tensorrt.batch``); prefill runs the ``llm`` plan at
 batch 1 in the request's thread, as decoding alone does."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..runtime.base import Runner
-from ..runtime.trt_batch import DeviceKVSlots, TrtBatchLLM, cache_dtype, decode_limits
+from ..runtime.backends.base import Runner
+from ..runtime.backends.tensorrt.batch import DeviceKVSlots, TrtBatchLLM, cache_dtype, decode_limits
 from .llm_batch import BatchedLLMStage
 
 __all__ = ["TrtBatchedLLMStage"]

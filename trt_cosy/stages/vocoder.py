@@ -18,7 +18,7 @@ import numpy as np
 
 from ..config import HiFTConfig
 from ..errors import InputError
-from ..runtime.base import Runner
+from ..runtime.backends.base import Runner
 
 __all__ = ["VocoderStage", "VocoderCache", "sine_noise", "fade_in_out"]
 

@@ -70,7 +70,7 @@ def run_official_vc(
 ) -> list[Comparison]:
     """The ``vc:`` rows of one golden (``model_dir``: the release with the frontend ONNX files)."""
     from ..family_lookup import family_of
-    from ..runtime.ort import LazyOrtRunner
+    from ..runtime.backends.onnxruntime.runner import LazyOrtRunner
 
     family = family_of(model.config)
     if golden.meta.get("family") != family.name:

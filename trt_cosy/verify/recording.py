@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..runtime.base import Runner
+from ..runtime.backends.base import Runner
 
 __all__ = ["RecordingRunner"]
 

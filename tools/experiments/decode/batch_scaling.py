@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from trt_cosy.runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
+from trt_cosy.runtime.backends.onnxruntime.batch import OrtBatchLLM
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
+from trt_cosy.runtime.kv_slots import KVSlots, PrefillCache
 from trt_cosy.runtime.manifest import model_config_from_dict
-from trt_cosy.runtime.ort import OrtRunner
 
 
 def _median_s(call: Callable[[], object], repeats: int) -> float:

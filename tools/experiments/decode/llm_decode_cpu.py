@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 
 PROMPTS = (37, 151, 88, 12)
 

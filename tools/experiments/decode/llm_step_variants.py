@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from trt_cosy.runtime.kv_slots import KVSlots, OrtBatchLLM, PrefillCache
+from trt_cosy.runtime.backends.onnxruntime.batch import OrtBatchLLM
+from trt_cosy.runtime.kv_slots import KVSlots, PrefillCache
 from trt_cosy.runtime.manifest import model_config_from_dict
 
 

@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from trt_cosy.runtime import graphs
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
 from trt_cosy.runtime.engines import load_engines
-from trt_cosy.runtime.ort import OrtRunner
 from trt_cosy.stages.flow import FlowStage
 from trt_cosy.stages.vocoder import VocoderCache, VocoderStage
 from trt_cosy.streaming import FAST_SCHEDULE, OFFICIAL_SCHEDULE, ChunkPlan, hop_schedule

@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime
 
 from trt_cosy.bench import speed
-from trt_cosy.runtime import ort as ort_mod
+from trt_cosy.runtime.backends.onnxruntime import runner as ort_mod
 from trt_cosy.runtime.engines import load_engines
 from trt_cosy.runtime.heap import return_large_blocks
 

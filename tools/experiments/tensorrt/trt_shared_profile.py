@@ -24,9 +24,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_cosy.builder.trt.plans import build_plan
-from trt_cosy.runtime.ort import OrtRunner
+from trt_cosy.runtime.backends.onnxruntime.runner import OrtRunner
+from trt_cosy.runtime.backends.tensorrt.runner import TrtRunner, load_tensorrt, shared_runtime
 from trt_cosy.runtime.profiles import GraphProfiles, ShapeProfile
-from trt_cosy.runtime.trt import TrtRunner, load_tensorrt, shared_runtime
 
 PROFILES = GraphProfiles(
     "toy",

@@ -9,7 +9,7 @@ reads the first P positions, P = ``key_positions``' length (0 .. P-1), and masks
 even a NaN in the padding reaches a row's result. Row b's new position is ``past_lengths[b]``
 (its rotary angle and its key). Outputs: ``logits`` [B, 1, V] and the new position's keys and
 values of every layer, ``new_kv`` [B, 2L, H, Dh] (keys of layers 0..L-1, then values), which the
-runtime writes into each row's slot at ``past_lengths[b]`` (``runtime.trt_batch``).
+runtime writes into each row's slot at ``past_lengths[b]`` (``runtime.backends.tensorrt.batch``).
 
 The layers are the ``llm`` graph's own modules (``Qwen2DecoderLayer``), called with a per-row
 rotary table [B, 1, 1, Dh] and a per-row mask [B, 1, 1, 1, P+1]: the same arithmetic as ``llm``.

@@ -31,7 +31,7 @@ def compare_fp16(
     (it inserts the casts), so this measures the storage rounding and the fp32 islands, much as
     TensorRT's fp16 kernels with fp32 accumulation do; it is an estimate, not a TensorRT run.
     """
-    from ...runtime.ort import OrtRunner  # onnxruntime is needed only here
+    from ...runtime.backends.onnxruntime.runner import OrtRunner  # onnxruntime is needed only here
 
     reference = OrtRunner.from_path(fp32_path, "fp32", threads, exported=True)
     candidate = OrtRunner.from_path(fp16_path, "fp16", threads, exported=True)

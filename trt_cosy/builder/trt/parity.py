@@ -48,7 +48,7 @@ Feed = Mapping[str, np.ndarray]
 
 def write_parity_feeds(engines_dir: Path, name: str, fp32_graph: Path, feeds: Iterable[Feed]) -> Path:
     """``parity/<name>.npz``: every feed and the fp32 graph's outputs on it (ONNX Runtime, CPU)."""
-    from ...runtime.ort import OrtRunner  # onnxruntime: the CPU build step only
+    from ...runtime.backends.onnxruntime.runner import OrtRunner  # onnxruntime: the CPU build step only
 
     reference = OrtRunner.from_path(fp32_graph, f"{name}-fp32", threads=None, exported=True)
     arrays: dict[str, np.ndarray] = {}

@@ -14,7 +14,7 @@ Two steps, so that a GPU host never needs torch:
    new plan runs on its parity feeds against the fp32 outputs: NaN/inf or an error above
    ``PLAN_TOLERANCES`` removes it and fails the build; ``plans/parity.json`` records the errors. A plan
    whose record does not match the running system is rebuilt; the runtime refuses it
-   (``runtime.trt.plan_mismatch``). The Docker entrypoint runs this step on first start.
+   (``runtime.backends.tensorrt.runner.plan_mismatch``). The Docker entrypoint runs this step on first start.
 
 The ``plans/`` directory is per GPU and TensorRT version: it is not listed in ``manifest.json``.
 """
@@ -36,6 +36,16 @@ import numpy as np
 from ...config import ModelConfig
 from ...errors import EngineMismatchError, InputError, TrtCosyError
 from ...family_lookup import family_named
+from ...runtime.backends.tensorrt.runner import (
+    PLANS_DIR,
+    PlanRecord,
+    checkpoint_digest,
+    current_system,
+    load_tensorrt,
+    plan_mismatch,
+    shared_runtime,
+    trt_logger,
+)
 from ...runtime.graphs import FLOW_ESTIMATOR_INCREMENTAL
 from ...runtime.incremental_profiles import incremental_profiles
 from ...runtime.llm_decode import LLM_DECODE_NAME
@@ -49,16 +59,6 @@ from ...runtime.profiles import (
     read_profiles,
     trt_graph_specs,
     write_profiles,
-)
-from ...runtime.trt import (
-    PLANS_DIR,
-    PlanRecord,
-    checkpoint_digest,
-    current_system,
-    load_tensorrt,
-    plan_mismatch,
-    shared_runtime,
-    trt_logger,
 )
 from ...version import __version__
 from ..progress import emitter
@@ -208,8 +208,8 @@ def _prepare_step_graph(
     engines_dir: Path, name: str, config: ModelConfig, precision: str, measure: bool, emit: Progress
 ) -> dict[str, Any]:
     """``<step>[.fp16].onnx``: the prepared estimator graph wrapped with guidance and the Euler update
-    (``builder.flow_step``), for the device-side solve (``runtime.euler.DeviceEulerLoop``)."""
-    from ...runtime.euler import STEP_GRAPHS
+    (``builder.flow_step``), for the device-side solve (``runtime.backends.tensorrt.euler.DeviceEulerLoop``)."""
+    from ...runtime.graphs import STEP_GRAPHS
     from ..flow_step import write_flow_step
 
     estimator = next(est for est, step in STEP_GRAPHS.items() if step.name == name)
@@ -296,7 +296,7 @@ def build_plans(
 
 def _plan_runner(path: Path, name: str, profiles: GraphProfiles) -> Any:
     """A one-slot ``TrtRunner`` over a freshly built plan, every input fed (the parity check)."""
-    from ..runtime.trt import TrtRunner
+    from ...runtime.backends.tensorrt.runner import TrtRunner
 
     return TrtRunner.from_plan(path, name, profiles, slots=1)
 

@@ -28,7 +28,7 @@ from ...errors import InputError
 from ...frontend.tokenizer import ENDOFPROMPT
 from ...frontend.voice import Voice, VoiceBuilder
 from ...pipeline import Request
-from ...runtime.base import Runner
+from ...runtime.backends.base import Runner
 from ...runtime.graphs import GraphSpec
 from ...runtime.model import LoadedModel
 from ...synthesis import LLMPrompt

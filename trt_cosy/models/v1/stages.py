@@ -18,7 +18,7 @@ from typing import Final, Protocol
 import numpy as np
 
 from ...errors import InputError, ModelDirError
-from ...runtime.base import Runner
+from ...runtime.backends.base import Runner
 from ...stages.flow import solve_euler
 from ...stages.sampling import Sampler, log_softmax
 from ...stages.speed import stretch_mel

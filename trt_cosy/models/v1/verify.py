@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InputError
-from ...runtime.base import Runner
+from ...runtime.backends.base import Runner
 from ...runtime.model import LoadedModel
 from ...stages.sampling import greedy_sample
 from ...verify.golden import GoldenSet

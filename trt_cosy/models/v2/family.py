@@ -167,8 +167,8 @@ class V2Family(Family):
     @staticmethod
     def _llm_stage(model: LoadedModel, slots: int | None, positions: int | None) -> LLMStage:
         """``BatchedLLMStage`` over the ``llm_batch`` graph when the engines have it and batching is on."""
-        from ...runtime.ort import LazyOrtRunner, OrtRunner
-        from ...runtime.trt import TrtRunner
+        from ...runtime.backends.onnxruntime.runner import LazyOrtRunner, OrtRunner
+        from ...runtime.backends.tensorrt.runner import TrtRunner
 
         runners, config = model.runners, model.config
         decode_runner = runners.get("llm_decode")  # TensorRT engines: the plain-ONNX batched decode plan

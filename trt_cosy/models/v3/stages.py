@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import InputError
-from ...runtime.base import Runner
+from ...runtime.backends.base import Runner
 from ...runtime.model import LoadedModel
 from ...stages.sampling import log_softmax
 from .config import MAX_SILENT_RUN, SILENT_TOKENS, CausalHiFTConfig

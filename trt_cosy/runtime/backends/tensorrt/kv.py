@@ -10,7 +10,7 @@ must never read and write one buffer in one launch). Per step only the new embed
 the logits come down, with one synchronize; the buffers grow (grow-only, no copy: the one written
 next is an output) to what the request needs, never to the profile maximum.
 
-CosyVoice2/3 on TensorRT decode in batches over ``runtime.trt_batch`` (the ``llm_decode`` plan);
+CosyVoice2/3 on TensorRT decode in batches over ``runtime.backends.tensorrt.batch`` (the ``llm_decode`` plan);
 this is the path of CosyVoice-300M and of ``llm_slots=0``. Numpy only; the runner is a
 ``TrtRunner`` (its hot-path methods), over fakes in tests/test_trt_device_counts.py.
 """
@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import InputError
+from ....errors import InputError
 from .cuda import DeviceBuffer
 
 __all__ = ["TrtKVDecoder"]

@@ -1,5 +1,5 @@
 """What a TensorRT plan's I/O and profiles look like to the runner, checked at load (``PlanIO``),
-apart from the runner's hot path (``runtime/trt.py``): the engine's I/O tensors (``engine_io``),
+apart from the runner's hot path (``runtime/backends/tensorrt/runner.py``): the engine's I/O tensors (``engine_io``),
 the profile check against ``profiles.json`` (``check_profiles``), the buffer sizes at the profile
 maxima from a ``USER_MANAGED`` probe context (``max_bytes``) and the casting of a feed to the
 engine's dtypes (``prepare``). Works over any engine-like object (the CPU tests use fakes).
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EngineMismatchError, InputError, TrtCosyError
+from ....errors import EngineMismatchError, InputError, TrtCosyError
+from ...profiles import GraphProfiles
 from .cuda import Stream
-from .profiles import GraphProfiles
 
 __all__ = ["TensorInfo", "PlanIO", "engine_io", "nbytes", "dims"]
 

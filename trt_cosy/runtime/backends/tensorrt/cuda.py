@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import MissingDependencyError, TrtCosyError
+from ....errors import MissingDependencyError, TrtCosyError
 
 __all__ = [
     "CudaError",

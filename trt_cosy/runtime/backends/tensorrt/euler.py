@@ -2,8 +2,8 @@
 
 ``stages.flow.solve_euler`` runs the estimator once per step and updates x on the host: on
 TensorRT that is a device -> host -> device round trip and a stream synchronize per step. The
-``FLOW_STEP`` graph (``builder.flow_step.wrap_estimator_step``: estimator + guidance + Euler update)
-takes x [1, 80, F] and returns x_next, so ``DeviceEulerLoop`` can queue all n steps on one stream:
+``FLOW_STEP`` graph (``runtime.graphs``; ``builder.flow_step.wrap_estimator_step``: estimator +
+guidance + Euler update) takes x [1, 80, F] and returns x_next, so ``DeviceEulerLoop`` can queue all n steps on one stream:
 
 * mask, mu, spks, cond and the start noise x0 are copied to the device once per solve;
 * the (t, dt) schedule is uploaded once, at construction, into one device buffer; step k binds
@@ -26,12 +26,8 @@ from typing import Any, Final, Protocol
 import numpy as np
 
 from .cuda import DeviceBuffer, Event, PinnedBuffer, Stream, bindings, cuda_call
-from .graphs import GraphSpec, TensorSpec
 
 __all__ = [
-    "FLOW_STEP",
-    "FLOW_STEP_STREAM",
-    "STEP_GRAPHS",
     "TIME_STRIDE",
     "step_schedule",
     "guidance_feed",
@@ -41,23 +37,6 @@ __all__ = [
 ]
 
 _LOGGER = logging.getLogger(__name__)
-
-_STEP_INPUTS: Final = (
-    TensorSpec("x", "float32", (1, 80, "F")),
-    TensorSpec("mask", "float32", (2, 1, "F")),
-    TensorSpec("mu", "float32", (2, 80, "F")),
-    TensorSpec("t", "float32", (1,)),
-    TensorSpec("dt", "float32", (1,)),
-    TensorSpec("spks", "float32", (2, 80)),
-    TensorSpec("cond", "float32", (2, 80, "F")),
-)
-_STEP_OUTPUTS: Final = (TensorSpec("x_next", "float32", (1, 80, "F")),)
-
-# One guided Euler step around the estimator (full attention / 50-frame chunk attention).
-FLOW_STEP: Final = GraphSpec("flow_step", _STEP_INPUTS, _STEP_OUTPUTS)
-FLOW_STEP_STREAM: Final = GraphSpec("flow_step_stream", _STEP_INPUTS, _STEP_OUTPUTS)
-STEP_GRAPHS: Final = {"flow_estimator": FLOW_STEP, "flow_estimator_stream": FLOW_STEP_STREAM}
-"""Estimator graph name -> the step graph wrapped around it."""
 
 # TensorRT wants every bound address 256-byte aligned (IExecutionContext::setTensorAddress), so the
 # schedule table gives each t and each dt its own 256-byte row: t_k at 2k rows, dt_k at 2k + 1.

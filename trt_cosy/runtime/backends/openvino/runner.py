@@ -32,10 +32,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import EngineMismatchError, require
-from .base import cast_input, check_feed
-from .cpu_budget import default_threads
-from .lazy import LazyRunner
+from ....errors import EngineMismatchError, require
+from ...cpu_budget import default_threads
+from ..base import LazyRunner, cast_input, check_feed
 
 __all__ = [
     "OV_BACKEND",
@@ -67,7 +66,7 @@ _HINTS: Final = {"fp32": "f32", "bf16": "bf16"}
 _DEVICE: Final = "CPU"
 _DECODER_INPUTS: Final = ("inputs_embeds", "past_keys", "past_values")
 # Graphs whose calls end by handing their intermediate memory back (``OvRunner.infer``): those
-# ``runtime.ort`` shrinks its arena after, the vocoders (a long call's buffers: 270 MB for 10 s of
+# ``runtime.backends.onnxruntime.runner`` shrinks its arena after, the vocoders (a long call's buffers: 270 MB for 10 s of
 # audio at full size) and the flow encoders (once per chunk).
 RELEASE_AFTER_GRAPHS: Final = frozenset({"hift", "hift_stream", "v1_hift", "flow_encoder", "v1_flow_encoder"})
 _MADV_DONTNEED: Final = 4  # <sys/mman.h>
@@ -140,7 +139,7 @@ def compiled_model_cache(core: Any) -> Path | None:
     compiles). OpenVINO keys each entry by a hash of the model, device and settings, so a changed
     graph or precision never loads a stale entry; a hit skips the CPU plugin's weight repacking
     (the full-size estimator: 4.5 s to compile, 1.3 s from the cache, loaded machine)."""
-    from ..cache_dir import cache_root
+    from ....cache_dir import cache_root
 
     folder = cache_root() / "openvino"
     try:
@@ -367,7 +366,7 @@ class OvRunner:
 def check_compiles(path: Path, name: str, compute: str, threads: int) -> None:
     """Compile ``path`` in a child process first, once per machine (``native_guard.checked_compile``):
     a native crash raises ``NativeCrashError`` naming what to use instead."""
-    from . import native_guard
+    from ... import native_guard
 
     version = load_openvino().get_version()
     remedy = (
@@ -407,7 +406,7 @@ COMPILE_CHECK_TARGET = f"{__name__}:compile_in_this_process"
 
 
 class LazyOvRunner(LazyRunner[OvRunner]):
-    """An ``OvRunner`` compiled on first use (thread-safe, ``runtime.lazy.LazyRunner``): the graphs only
+    """An ``OvRunner`` compiled on first use (thread-safe, ``runtime.backends.base.LazyRunner``): the graphs only
     some requests need (the streaming flow estimator). The file is checked at once; ``load()`` compiles it."""
 
     def __init__(

@@ -14,7 +14,7 @@ Each position of a row lives at [z, row, h, position]; moving data in and out is
 * ``remove``: the last active row's positions -> the freed row (device to device);
 * each step: the plan's ``new_kv`` [B, 2L, H, Dh] row b -> position ``lengths[b]`` of slot b.
 
-``TrtBatchLLM`` mirrors ``kv_slots.OrtBatchLLM``: ``prefill`` runs the per-request ``llm`` graph at
+``TrtBatchLLM`` mirrors ``backends.onnxruntime.batch.OrtBatchLLM``: ``prefill`` runs the per-request ``llm`` graph at
 batch 1 on any runner (any thread) into a host ``PrefillCache``; ``decoder`` returns the stepper the
 scheduler calls. A step selects the profile by batch size B and position bucket P (the window read:
 the longest row rounded up to ``WINDOW_STEP``, capped at the capacity), copies the small inputs
@@ -40,10 +40,10 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import EngineMismatchError, InputError, TrtCosyError
+from ....errors import EngineMismatchError, InputError, TrtCosyError
+from ...kv_slots import PrefillCache
+from ...llm_decode import cache_input_names
 from .cuda import DeviceBuffer, PinnedBuffer, Pitched, Stream, copy_3d_async
-from .kv_slots import PrefillCache
-from .llm_decode import cache_input_names
 
 __all__ = ["DeviceKVSlots", "TrtBatchLLM", "WINDOW_STEP", "cache_dtype", "decode_limits"]
 

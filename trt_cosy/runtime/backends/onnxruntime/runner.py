@@ -11,11 +11,10 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import EngineMismatchError, MissingDependencyError, ModelDirError, require
-from . import heap, run_scope
-from .base import cast_input, check_feed
-from .cpu_budget import default_threads
-from .lazy import LazyRunner
+from ....errors import EngineMismatchError, MissingDependencyError, ModelDirError, require
+from ... import heap, run_scope
+from ...cpu_budget import default_threads
+from ..base import LazyRunner, cast_input, check_feed
 
 __all__ = [
     "OrtRunner",
@@ -224,7 +223,7 @@ class LazyOrtRunner(LazyRunner[OrtRunner]):
     The file is checked at once (``check_now=False``: at first use, for optional frontend models); the
     session is created (once, costing its load time) by the first
     ``infer``, ``input_names``, ``output_names`` or ``input_specs``, or by ``load()``, which a server
-    can call in the background after start-up (``runtime.lazy.LazyRunner``). On Python < 3.12
+    can call in the background after start-up (``runtime.backends.base.LazyRunner``). On Python < 3.12
     ``isinstance(runner, Runner)`` reads the properties, so it creates the session too.
     """
 

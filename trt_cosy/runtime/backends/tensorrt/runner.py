@@ -2,7 +2,7 @@
 
 Imported lazily: ``tensorrt`` and ``cuda.bindings`` are only imported by ``TrtRunner.from_plan``
 (after a CUDA device-count check: creating TensorRT objects without a GPU crashes the process) and
-by the helpers in ``runtime/cuda.py``; the class itself works over any engine-like object, which
+by the helpers in ``runtime/backends/tensorrt/cuda.py``; the class itself works over any engine-like object, which
 is how the CPU tests drive its bookkeeping with fakes.
 
 Hot path (house style P6/P7): ``set_shapes`` picks the optimization profile and sets input shapes
@@ -23,7 +23,7 @@ block sized by ``get_device_memory_size_for_profile_v2`` for the largest profile
 so a slot that only ever streams never reserves the activations of the long profile.
 
 What a plan looks like to the runner (I/O tensors, the profile check against ``profiles.json``, the
-buffer sizes from a probe context, feed casting) is checked at load by ``trt_bindings.PlanIO``.
+buffer sizes from a probe context, feed casting) is checked at load by ``bindings.PlanIO``.
 """
 
 from __future__ import annotations
@@ -39,22 +39,15 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import EngineMismatchError, InputError, TrtCosyError
+from ....errors import EngineMismatchError, InputError, TrtCosyError
+from ...graphs import FLOW_ESTIMATOR_INCREMENTAL
+from ...llm_decode import LLM_DECODE_NAME, device_cache_inputs
+from ...profiles import PROFILES_NAME, GraphProfiles, read_profiles
+from .bindings import PlanIO, TensorInfo, dims, nbytes
 from .cuda import CudaError, CudaGraph, DeviceBuffer, Event, PinnedBuffer, Stream
-from .graphs import FLOW_ESTIMATOR_INCREMENTAL
-from .llm_decode import LLM_DECODE_NAME, device_cache_inputs
-from .profiles import PROFILES_NAME, GraphProfiles, read_profiles
-from .trt_bindings import PlanIO, TensorInfo, dims, nbytes
-from .trt_kv import TrtKVDecoder
-from .trt_plans import (
-    PLANS_DIR,
-    TENSOR_ALIGNMENT,
-    PlanRecord,
-    checkpoint_digest,
-    current_system,
-    plan_mismatch,
-)
-from .trt_shared import load_tensorrt, shared_runtime, trt_logger
+from .kv import TrtKVDecoder
+from .plans import PLANS_DIR, TENSOR_ALIGNMENT, PlanRecord, checkpoint_digest, current_system, plan_mismatch
+from .shared import load_tensorrt, shared_runtime, trt_logger
 
 __all__ = [
     "PLANS_DIR",
@@ -84,7 +77,7 @@ def load_plan_runners(
 ) -> dict[str, TrtRunner]:
     """One ``TrtRunner`` per plan of ``engines_dir/plans``; a plan built for another GPU, TensorRT
     version, checkpoint or profile set raises ``EngineMismatchError`` (never used). Deferred
-    deserialisation: ``runtime.trt_lazy.load_plans``."""
+    deserialisation: ``runtime.backends.tensorrt.lazy.load_plans``."""
     return {
         name: TrtRunner.from_plan(path, name, graph, slots=slots, external=external)
         for name, (path, graph, external) in checked_plans(engines_dir, slots, checkpoint).items()
@@ -128,7 +121,7 @@ def checked_plans(
                 f"TensorRT plan {path} for graph '{name}' does not exist. Rebuild it with "
                 "`trt-cosy build --backend tensorrt`."
             )
-        # llm_decode reads the KV slots where runtime.trt_batch keeps them, the incremental estimator its
+        # llm_decode reads the KV slots where runtime.backends.tensorrt.batch keeps them, the incremental estimator its
         # cache where stages.flow_incremental keeps it on the device: no buffers of their own for them
         external = BOUND_INPUTS.get(name, ())
         if name == LLM_DECODE_NAME:
@@ -166,7 +159,7 @@ class TrtRunner:
     never change after load, and their contents stay valid until the slot's next ``enqueue``.
 
     ``external`` inputs get no buffers of their own: every ``enqueue`` binds them to caller-owned
-    device memory (``addresses``), e.g. the KV slots of ``runtime.trt_batch``; ``infer`` cannot feed them.
+    device memory (``addresses``), e.g. the KV slots of ``runtime.backends.tensorrt.batch``; ``infer`` cannot feed them.
     """
 
     def __init__(
@@ -401,7 +394,7 @@ class TrtRunner:
 
     def kv_decoder(self, cache_shape: tuple[int, ...]) -> TrtKVDecoder:
         """A step-by-step decoder for an ``LLM``-contract plan whose KV cache stays in device memory
-        (``runtime.trt_kv``): per step only the new embeddings go up and the logits come down."""
+        (``runtime.backends.tensorrt.kv``): per step only the new embeddings go up and the logits come down."""
         return TrtKVDecoder(self, cache_shape)
 
     def device_tensor(self, name: str, slot: int = 0) -> tuple[int, tuple[int, ...], np.dtype]:

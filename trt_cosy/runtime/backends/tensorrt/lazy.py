@@ -15,10 +15,10 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, Final
 
-from .euler import STEP_GRAPHS
-from .lazy import LazyRunner
-from .profiles import GraphProfiles
-from .trt import TrtRunner, checked_plans
+from ...graphs import STEP_GRAPHS
+from ...profiles import GraphProfiles
+from ..base import LazyRunner
+from .runner import TrtRunner, checked_plans
 
 __all__ = ["LazyTrtRunner", "deferred_plans", "load_plans"]
 

@@ -18,12 +18,12 @@ import logging
 import threading
 from typing import Any, Final
 
-from ..errors import MissingDependencyError, require
+from ....errors import MissingDependencyError, require
 from .cuda import gpu_unavailable_reason
 
 __all__ = ["load_tensorrt", "trt_logger", "shared_runtime", "VERBOSE"]
 
-_LOGGER = logging.getLogger("trt_cosy.runtime.trt")  # TensorRT's own messages, under the runtime's name
+_LOGGER = logging.getLogger("trt_cosy.runtime.backends.tensorrt")  # TensorRT's own messages, under the backend's name
 
 VERBOSE: Final = 5  # logging level of TensorRT's VERBOSE messages: below DEBUG, off unless asked for
 _LOCK = threading.Lock()
