@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from _support import tiny_engines
 
+from trt_cosy.bench.listening import BREAKDOWN_PARTS
 from trt_cosy.bench.speed import BenchOptions, format_bench, main, run_bench
 from trt_cosy.errors import InputError
 
@@ -24,7 +25,7 @@ def engines(tmp_path_factory, v2_tiny_dir) -> Path:
 
 
 def test_bench_report(engines):
-    options = BenchOptions(tokens=32, runs=2, warmup=1, stream=True, cold_start=True, threads=1)
+    options = BenchOptions(tokens=32, runs=2, warmup=1, stream=True, cold_start=True, threads=1, listen_tokens=100)
     lines = []
     report = run_bench(engines, options, progress=lines.append)
     assert len(lines) == 7  # 1 warm-up and 2 runs without streaming, then streaming, then the cold start
@@ -38,6 +39,18 @@ def test_bench_report(engines):
         stats = metrics[key]
         assert 0 < stats["min"] <= stats["median"] <= stats["max"], f"{key}: {stats}"
     assert metrics["tokens"]["median"] == 32  # stop tokens are masked: exactly --tokens decoded
+    for seconds in (3, 5, 10):  # the known voice's first chunk, part by part: the parts make the whole
+        parts = [metrics[f"first_chunk_ref{seconds}s_{part}"]["median"] for part in BREAKDOWN_PARTS]
+        assert min(parts[:2] + parts[3:]) > 0 and parts[2] > -1e-3  # waiting: what is left, never much below 0
+        runs = report["runs"]
+        for run in runs:
+            total = sum(run[f"first_chunk_ref{seconds}s_{part}"] for part in BREAKDOWN_PARTS)
+            assert total == pytest.approx(run[f"first_audio_ref{seconds}s"], abs=0.02)
+    listen = "listen_4s_ref5s"  # a 4 s answer (100 tokens) heard by a real-time player
+    assert 0 < metrics[f"{listen}_first_audio_s"]["median"]
+    for run in report["runs"]:
+        assert 0 <= run[f"{listen}_stall_longest_s"] <= run[f"{listen}_stall_total_s"]
+        assert (run[f"{listen}_stalls"] == 0) == (run[f"{listen}_stall_total_s"] == 0)
     assert metrics["audio_s"]["median"] == pytest.approx(32 * 2 * 480 / 24000)
     assert report["prefill_positions"] == 1 + 16 + 24 + 1 + 50
     assert report["cold_start_s"]["median"] > 0 and report["peak_rss_gb"] > 0
@@ -61,7 +74,7 @@ def test_bench_reports_streaming_memory_apart(engines):
     from trt_cosy.runtime.manifest import Manifest
 
     assert "flow_estimator_incremental" in Manifest.read(engines).graphs  # the tiny build has it
-    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1)
+    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1, listen_tokens=0)
     report = run_bench(engines, options)
     assert 0 < report["peak_rss_gb"] and 0 < report["rss_before_stream_gb"] <= report["peak_rss_stream_gb"]
     assert report["peak_rss_stream_scope"] == "streaming rounds"  # Linux: the peak restarts there
@@ -92,7 +105,7 @@ def test_bench_holds_one_set_of_sessions(engines):
     stages = speed._Stages(model)
     assert isinstance(stages.llm, BatchedLLMStage)
     assert stages.llm is stages.api.llm and stages.flow is stages.api.flow
-    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1)
+    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1, listen_tokens=0)
     inputs = speed._inputs(model, engines, options)
     speed._one_run(stages, inputs, options, np.random.default_rng(0))
     speed._stream_round(stages, inputs, options, {})
@@ -202,7 +215,7 @@ def test_bench_streams_cosyvoice3_engines(tmp_path_factory):
     from _support import family_engines
 
     engines = family_engines(tmp_path_factory, "v3")
-    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1)
+    options = BenchOptions(tokens=32, runs=1, warmup=0, stream=True, cold_start=False, threads=1, listen_tokens=0)
     report = run_bench(engines, options)
     for seconds in (3, 5, 10):
         assert report["metrics"][f"first_audio_ref{seconds}s"]["median"] > 0

@@ -294,6 +294,7 @@ class Request:
                         stack.enter_context(loop_hold())
                     if hold:
                         self.feed.hold()
+                    render_began = time.perf_counter()
                     try:
                         samples, flow_s, vocoder_s = self._render(tokens, plan, cache)
                     finally:
@@ -304,6 +305,8 @@ class Request:
                 raise Cancelled("the request was cancelled")
             is_last = plan.final and index == len(self.segments) - 1
             timings = self._timings(index, plan, samples, started, rendered - waited, flow_s, vocoder_s)
+            timings["render_wait_s"] = render_began - rendered  # the render gate and turns
+            timings["tokens_ready_s"] = rendered - started  # the chunk's tokens were there
             yield AudioChunk(
                 samples=np.ascontiguousarray(samples, dtype=np.float32),
                 sample_rate=self.config.sample_rate,

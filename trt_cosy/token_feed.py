@@ -36,6 +36,7 @@ class TokenFeed:
     def __init__(self, decode: Callable[[int], Iterator[int]], segments: int, name: str = "trt-cosy-llm"):
         self._decode = decode
         self._tokens: list[list[int]] = [[] for _ in range(segments)]
+        self._token_times: list[list[float]] = [[] for _ in range(segments)]  # perf_counter per token
         self._finished = [False] * segments
         self._llm_seconds = [0.0] * segments
         self._error: BaseException | None = None
@@ -100,6 +101,11 @@ class TokenFeed:
         """Seconds the worker has spent decoding ``segment`` so far."""
         return self._llm_seconds[segment]
 
+    def token_times(self, segment: int) -> list[float]:
+        """When each token of ``segment`` so far was published (``time.perf_counter`` seconds; a copy)."""
+        with self._changed:
+            return list(self._token_times[segment])
+
     def wait(self, segment: int, count: int | None) -> tuple[np.ndarray, bool]:
         """Block until ``segment`` has ``count`` tokens (None: until it is finished).
 
@@ -144,6 +150,7 @@ class TokenFeed:
                     return False
                 with self._changed:
                     self._tokens[segment].append(int(token))
+                    self._token_times[segment].append(time.perf_counter())
                     self._llm_seconds[segment] = time.perf_counter() - started - held
                     self._changed.notify_all()
                 if not self._may_decode.is_set():

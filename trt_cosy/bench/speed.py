@@ -62,6 +62,7 @@ from ..stages.flow import FlowStage
 from ..stages.llm import LLMStage
 from ..stages.vocoder import VocoderStage
 from . import process_memory
+from .listening import BREAKDOWN_PARTS, Stalls, first_chunk_breakdown, playback_stalls
 
 __all__ = ["BenchOptions", "run_bench", "format_bench", "main"]
 
@@ -69,6 +70,7 @@ _LOGGER = logging.getLogger(__name__)
 _READY: Final = "ready"
 _TOKEN_HOP: Final = 25  # official token_hop_len (spec §6.1)
 _LOOKAHEAD: Final = 3
+_TOKENS_PER_S: Final = 25  # speech tokens per second of audio
 
 Progress = Callable[[str], None]
 
@@ -90,6 +92,10 @@ class BenchOptions:
     """Also measure the time to first audio of the streaming schedule."""
     stream_references: tuple[float, ...] = (3.0, 5.0, 10.0)
     """Reference recording lengths (seconds) of the voices the first audio is measured with."""
+    listen_tokens: int = 375
+    """Speech tokens of the streamed answer a real-time listener hears (375 = 15 s; 0: not measured)."""
+    listen_reference: float = 5.0
+    """Reference length (seconds) of the known voice that answer is spoken in."""
     cold_start: bool = True
     """Also time fresh processes from spawn to ready (one per run, at most 3)."""
     threads: int | None = None
@@ -221,10 +227,12 @@ def _stream_round(
         prefixes.clear()  # a voice's first request: it computes the voice's prompt prefix
         heap.release_free()  # the earlier voice's freed pages go back: this voice's peak starts from live memory
         process_memory.reset_peak_rss()
-        first_new, cache_new = _first_audio(stages, inputs, voice, options)
-        first, cache = _first_audio(stages, inputs, voice, options)
+        first_new, cache_new, _ = _first_audio(stages, inputs, voice, options)
+        first, cache, parts = _first_audio(stages, inputs, voice, options)
         result[f"first_audio_new_voice_ref{seconds:g}s"] = first_new
         result[f"first_audio_ref{seconds:g}s"] = first
+        for part in BREAKDOWN_PARTS:  # the known voice's first chunk, part by part
+            result[f"first_chunk_ref{seconds:g}s_{part}"] = parts[part]
         seen = {
             "peak_rss_gb": process_memory.peak_rss_gb(),
             "flow_cache_mib": max(cache_new, cache) / 2**20,
@@ -233,6 +241,15 @@ def _stream_round(
         entry = memory.setdefault(f"ref{seconds:g}s", {})
         for key, value in seen.items():
             entry[key] = max(entry.get(key, 0.0), value)
+    if options.listen_tokens:
+        voice = _bench_voice(stages, inputs, options.listen_reference, options.seed)
+        _first_audio(stages, inputs, voice, options)  # the voice is known: its prefix is cached
+        heard = _listen(stages, inputs, voice, options)
+        name = f"listen_{options.listen_tokens / _TOKENS_PER_S:g}s_ref{options.listen_reference:g}s"
+        result[f"{name}_first_audio_s"] = heard.first_audio_s
+        result[f"{name}_stall_total_s"] = heard.total_s
+        result[f"{name}_stall_longest_s"] = heard.longest_s
+        result[f"{name}_stalls"] = float(heard.count)
     return result
 
 
@@ -252,16 +269,24 @@ def _bench_voice(stages: _Stages, inputs: _Inputs, seconds: float, seed: int) ->
     )
 
 
-def _first_audio(stages: _Stages, inputs: _Inputs, voice: Voice, options: BenchOptions) -> tuple[float, int]:
-    """(seconds from the start of a streaming request to its first chunk (the API's path, spec §6.1),
-    bytes of the segment's ``FlowCache`` then (0 without the incremental flow))."""
+def _streaming_request(stages: _Stages, inputs: _Inputs, voice: Voice, options: BenchOptions, tokens: int):
+    """A streaming request of the API's path (spec §6.1) that decodes exactly ``tokens`` speech tokens."""
     from ..synthesis import Segment
 
-    segment = Segment("bench", inputs.text)
     request = stages.request_class(
-        stages.api, stages.config, [segment], voice, options.seed, True, options.tokens
+        stages.api, stages.config, [Segment("bench", inputs.text)], voice, options.seed, True, tokens
     )
     request.sampler = _no_stop_greedy(stages.llm.config.stop_tokens)  # every run decodes as many tokens
+    return request
+
+
+def _first_audio(
+    stages: _Stages, inputs: _Inputs, voice: Voice, options: BenchOptions
+) -> tuple[float, int, dict[str, float]]:
+    """(seconds from the start of a streaming request to its first chunk (the API's path, spec §6.1),
+    bytes of the segment's ``FlowCache`` then (0 without the incremental flow), that time part by part
+    (``listening.first_chunk_breakdown``))."""
+    request = _streaming_request(stages, inputs, voice, options, options.tokens)
     start = time.perf_counter()
     chunks = request.chunks()
     try:
@@ -269,11 +294,25 @@ def _first_audio(stages: _Stages, inputs: _Inputs, voice: Voice, options: BenchO
         elapsed = time.perf_counter() - start
         cache = request.flow_cache
         cache_bytes = 0 if cache is None else cache.nbytes
+        token_times = request.feed.token_times(0)
     finally:
         chunks.close()
-    if first.samples.size == 0:
+    if first.samples.size == 0 or not token_times:
         raise InputError("the first streaming chunk produced no audio; use a longer --tokens.")
-    return elapsed, cache_bytes
+    began = start + elapsed - first.timings["elapsed_s"]  # the request's own clock started here
+    parts = first_chunk_breakdown(token_times[0] - began, first.timings, first.timings["elapsed_s"])
+    return elapsed, cache_bytes, parts
+
+
+def _listen(stages: _Stages, inputs: _Inputs, voice: Voice, options: BenchOptions) -> Stalls:
+    """A whole streamed answer of ``options.listen_tokens`` tokens as a real-time player hears it."""
+    request = _streaming_request(stages, inputs, voice, options, options.listen_tokens)
+    arrivals, durations = [], []
+    start = time.perf_counter()
+    for chunk in request.chunks():
+        arrivals.append(time.perf_counter() - start)
+        durations.append(chunk.samples.shape[0] / chunk.sample_rate)
+    return playback_stalls(arrivals, durations)
 
 
 def _summary(values: Sequence[float]) -> dict[str, float]:
@@ -409,19 +448,19 @@ def format_bench(report: dict[str, Any]) -> str:
         f"engines {report['engines']} ({report['backend']}/{report['precision']}), {report['threads']} threads, "
         f"load average {report['machine']['load_average_1_5_15']}, numpy GEMM "
         f"{report['machine']['gemm_gflops']:.0f} GFLOP/s",
-        f"{'metric':28s} {'median':>10s} {'min':>10s} {'max':>10s}",
+        f"{'metric':36s} {'median':>10s} {'min':>10s} {'max':>10s}",
     ]
     for key, stats in report["metrics"].items():
-        lines.append(f"{key:28s} {stats['median']:10.3f} {stats['min']:10.3f} {stats['max']:10.3f}")
+        lines.append(f"{key:36s} {stats['median']:10.3f} {stats['min']:10.3f} {stats['max']:10.3f}")
     if "cold_start_s" in report:
         stats = report["cold_start_s"]
         lines.append(
-            f"{'cold_start_s':28s} {stats['median']:10.3f} {stats['min']:10.3f} {stats['max']:10.3f}"
+            f"{'cold_start_s':36s} {stats['median']:10.3f} {stats['min']:10.3f} {stats['max']:10.3f}"
         )
-    lines.append(f"{'peak_rss_gb':28s} {report['peak_rss_gb']:10.3f}   (load and non-streaming runs)")
+    lines.append(f"{'peak_rss_gb':36s} {report['peak_rss_gb']:10.3f}   (load and non-streaming runs)")
     if "peak_rss_stream_gb" in report:
         lines.append(
-            f"{'peak_rss_stream_gb':28s} {report['peak_rss_stream_gb']:10.3f}   "
+            f"{'peak_rss_stream_gb':36s} {report['peak_rss_stream_gb']:10.3f}   "
             f"({report['peak_rss_stream_scope']}; {report['rss_before_stream_gb']:.3f} GB resident before them)"
         )
         for name, entry in report["stream_memory"].items():
@@ -449,6 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--listen-seconds", type=float, default=15.0)
     parser.add_argument("--no-cold-start", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
@@ -462,6 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs=args.runs,
         warmup=args.warmup,
         stream=args.stream,
+        listen_tokens=round(args.listen_seconds * _TOKENS_PER_S),
         cold_start=not args.no_cold_start,
         threads=args.threads,
     )

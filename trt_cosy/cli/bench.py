@@ -18,7 +18,10 @@ from .options import echo_progress, engines_or_model_dir
 @click.option("--tokens", type=int, default=250, show_default=True, help="Speech tokens per run (25 per second of audio).")
 @click.option("--text", default=None, help="Text to tokenise instead of 24 random text tokens.")
 @click.option("--stream", is_flag=True,
-              help="Also time the first audio of a streaming request (3, 5 and 10 s reference voices).")
+              help="Also time the first audio of a streaming request (3, 5 and 10 s reference voices), part by "
+                   "part, and the stalls a real-time listener hears in a streamed answer (--listen-seconds).")
+@click.option("--listen-seconds", type=float, default=15.0, show_default=True,
+              help="With --stream: the length of the streamed answer whose stalls are measured (0: none).")
 @click.option("--runs", type=int, default=3, show_default=True, help="Timed runs (medians and spread).")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs first.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads per session (default: physical cores).")
@@ -30,8 +33,8 @@ from .options import echo_progress, engines_or_model_dir
                    "decode tokens/s, audio seconds per wall second, time to first audio p50/p95.")
 @click.option("--compare-unbatched", is_flag=True,
               help="With --concurrency: also run each round with every request decoding alone.")
-def bench(engines: Path | None, model_dir: Path | None, tokens: int, text: str | None, stream: bool, runs: int,
-          warmup: int, threads: int | None, no_cold_start: bool, json_out: Path | None, concurrency: str | None,
+def bench(engines: Path | None, model_dir: Path | None, tokens: int, text: str | None, stream: bool,
+          listen_seconds: float, runs: int, warmup: int, threads: int | None, no_cold_start: bool, json_out: Path | None, concurrency: str | None,
           compare_unbatched: bool) -> None:
     """Time LLM prefill/decode, flow, HiFT, RTF, first audio, cold start and peak RSS of an engines directory."""
     import json
@@ -43,8 +46,10 @@ def bench(engines: Path | None, model_dir: Path | None, tokens: int, text: str |
         _bench_concurrency(engines, concurrency, text, runs, warmup, threads, compare_unbatched, json_out)
         return
 
+    if listen_seconds < 0:
+        raise InputError(f"--listen-seconds must be >= 0, got {listen_seconds}.")
     options = BenchOptions(tokens=tokens, text=text, stream=stream, runs=runs, warmup=warmup, threads=threads,
-                           cold_start=not no_cold_start)
+                           cold_start=not no_cold_start, listen_tokens=round(listen_seconds * 25))
     report = run_bench(engines, options, progress=echo_progress)
     click.echo(format_bench(report))
     if json_out is not None:
