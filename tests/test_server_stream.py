@@ -66,6 +66,20 @@ def _start(ws, voice: str = "alice", **extra) -> dict:
     return json.loads(ws.recv(timeout=30))
 
 
+def _started_when_free(url: str, timeout_s: float = 30.0):
+    """A connection whose start was accepted. The one slot may still be held by a client that just
+    left (freed when the server sees it go; on a loaded machine a new client can come first and be
+    refused with 4429): retry until it is free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ws = connect(url + PATH, additional_headers=AUTH, open_timeout=30)
+        reply = _start(ws)
+        if reply["type"] == "started":
+            return ws
+        ws.close()
+        assert time.monotonic() < deadline, f"the slot stayed busy for {timeout_s} s: {reply}"
+
+
 def _closed_with(ws) -> tuple[dict | None, int, str]:
     """(the error message, close code, close reason) once the server closes."""
     error = None
@@ -186,32 +200,17 @@ def test_the_key_the_slots_and_a_client_that_leaves(url):
     with pytest.raises(InvalidStatus):
         with connect(url + PATH, subprotocols=["bearer.wrong"], open_timeout=30):
             pass
-    with connect(url + PATH, additional_headers=AUTH, open_timeout=30) as first:
-        assert _start(first)["type"] == "started"  # holds the only slot (max_concurrent 1, no queue)
+    with _started_when_free(url) as first:  # holds the only slot (max_concurrent 1, no queue)
         with connect(url + PATH, additional_headers=AUTH, open_timeout=30) as second:
             second.send(json.dumps({"type": "start", "voice": "alice"}))
             error, code, _ = _closed_with(second)
         assert code == 4429 and error["code"] == "server_overloaded"
         first.send(json.dumps({"type": "text", "text": PIECES[0]}))
-    # the first client left mid-stream: its slot is freed at once
-    deadline = time.monotonic() + 30
-    while True:
-        with connect(url + PATH, additional_headers=AUTH, open_timeout=30) as third:
-            reply = _start(third)
-            if reply["type"] == "started" or time.monotonic() > deadline:
-                break
-    assert reply["type"] == "started"
+    # the first client left mid-stream: its slot is freed
+    _started_when_free(url).close()
 
 
 def test_a_silent_client_is_closed_after_the_idle_timeout(url):
-    # The one slot may still be held by the last client of the test before (freed when the server sees
-    # it leave; on a loaded machine a new client can come first and be refused with 4429): wait for it.
-    deadline = time.monotonic() + 30
-    while True:
-        ws = connect(url + PATH, additional_headers=AUTH, open_timeout=30)
-        if _start(ws)["type"] == "started" or time.monotonic() > deadline:
-            break
-        ws.close()
-    with ws:
+    with _started_when_free(url) as ws:  # the test before's last client may still hold the slot
         error, code, _ = _closed_with(ws)  # sends nothing for body_timeout_s (3 s)
     assert code == 4408 and error["code"] == "idle_timeout"

@@ -83,13 +83,24 @@ def create_app(tts: Any, settings: ServerSettings) -> FastAPI:
     app.include_router(playground_router())
     upload_limit = settings.max_upload_bytes + _UPLOAD_SLACK
 
+    def is_upload(path: str) -> bool:
+        return path.startswith(("/v1/voices", CONVERSIONS_PATH))
+
     def limit_for(path: str) -> int:
-        return upload_limit if path.startswith(("/v1/voices", CONVERSIONS_PATH)) else settings.max_json_bytes
+        return upload_limit if is_upload(path) else settings.max_json_bytes
+
+    def advice_for(path: str) -> str:
+        if is_upload(path):
+            return (
+                f"the audio file may be at most {settings.max_upload_bytes} bytes (the server's "
+                "max_upload_bytes); send a shorter recording, or flac or ogg (smaller than wav)."
+            )
+        return f"a JSON body may be at most {settings.max_json_bytes} bytes; send the text in parts."
 
     def refused(path: str) -> None:
         metrics.errors.labels(path_label(path), "body_too_large").inc()
 
-    app.add_middleware(BodySizeLimit, limit_for=limit_for, on_refused=refused)
+    app.add_middleware(BodySizeLimit, limit_for=limit_for, on_refused=refused, advice_for=advice_for)
     app.add_middleware(BodyReadTimeout, timeout_s=settings.body_timeout_s)
     if settings.api_key is not None:  # before the body limit: a caller without the key gets 401, not 413
 

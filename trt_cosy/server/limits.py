@@ -92,19 +92,27 @@ class BodyTooLarge(HTTPException):
     re-raises those from body parsing (any other error there becomes a generic 400)."""
 
     def __init__(self, limit: int):
-        super().__init__(413, f"the request body is larger than {limit} bytes; send less.")
+        super().__init__(413, f"the request body is larger than {limit} bytes.")
 
 
 class BodySizeLimit:
-    """ASGI middleware: refuses a request body larger than ``limit_for(path)`` bytes with 413.
+    """ASGI middleware: refuses a request body larger than ``limit_for(path)`` bytes with 413, the
+    message ending with ``advice_for(path)`` (what to send instead).
 
     The declared Content-Length is checked first; a chunked body is counted as it arrives, so an
     oversized upload is never read whole into memory or onto disk.
     """
 
-    def __init__(self, app, limit_for: Callable[[str], int], on_refused: Callable[[str], None]):
+    def __init__(
+        self,
+        app,
+        limit_for: Callable[[str], int],
+        on_refused: Callable[[str], None],
+        advice_for: Callable[[str], str] = lambda path: "send less.",
+    ):
         self.app = app
         self.limit_for = limit_for
+        self.advice_for = advice_for
         self.on_refused = on_refused
 
     async def __call__(self, scope, receive, send) -> None:
@@ -142,8 +150,9 @@ class BodySizeLimit:
 
     async def _refuse(self, scope, send, limit: int) -> None:
         self.on_refused(scope.get("path", ""))
+        path = scope.get("path", "")
         body = error_bytes(
-            413, f"the request body is larger than {limit} bytes; send less.", "body_too_large"
+            413, f"the request body is larger than {limit} bytes; {self.advice_for(path)}", "body_too_large"
         )
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
