@@ -52,7 +52,7 @@ def playback_stalls(arrivals_s: Sequence[float], durations_s: Sequence[float]) -
     chunks = [(float(at), float(length)) for at, length in zip(arrivals_s, durations_s) if length > 0]
     if not chunks:
         raise ValueError("the answer holds no audio: nothing was played")
-    if any(later < earlier for (earlier, _), (later, _) in zip(chunks, chunks[1:])):
+    if any(later < earlier for (earlier, _), (later, _) in zip(chunks, chunks[1:], strict=False)):
         raise ValueError("chunk arrival times must not decrease")
     first_at = chunks[0][0]
     playing_until = first_at  # when the player runs out of the audio it has so far
