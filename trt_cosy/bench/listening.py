@@ -49,7 +49,7 @@ def playback_stalls(arrivals_s: Sequence[float], durations_s: Sequence[float]) -
     """
     if len(arrivals_s) != len(durations_s):
         raise ValueError(f"{len(arrivals_s)} arrival times for {len(durations_s)} chunk durations")
-    chunks = [(float(at), float(length)) for at, length in zip(arrivals_s, durations_s) if length > 0]
+    chunks = [(float(at), float(length)) for at, length in zip(arrivals_s, durations_s, strict=True) if length > 0]
     if not chunks:
         raise ValueError("the answer holds no audio: nothing was played")
     if any(later < earlier for (earlier, _), (later, _) in zip(chunks, chunks[1:], strict=False)):
