@@ -41,20 +41,8 @@ from ..errors import InputError
 from .cpu_budget import CpuBudget
 
 __all__ = [
-    "MARGIN",
-    "OBJECTIVES",
-    "ONE_ENGINE",
-    "PLAN_DIR",
-    "SplitTrial",
-    "SplitChoice",
-    "ThreadPlan",
-    "budget_key",
-    "choose_all",
-    "choose_split",
-    "engines_id",
-    "find_plan",
-    "planned_split",
-    "write_plan",
+    "MARGIN", "OBJECTIVES", "ONE_ENGINE", "PLAN_DIR", "SplitTrial", "SplitChoice", "ThreadPlan", "budget_key",
+    "choose_all", "choose_split", "engines_id", "find_plan", "planned_split", "write_plan"
 ]
 
 _LOGGER = logging.getLogger(__name__)
