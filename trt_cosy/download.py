@@ -25,14 +25,7 @@ from .cache_dir import cache_root
 from .errors import EngineMismatchError, InputError, ModelDirError, TrtCosyError, require
 from .runtime.backend_choice import DEFAULT_PRECISIONS, BackendChoice, resolve_backend
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "SOURCES",
-    "cache_root",
-    "download_model",
-    "engines_cache_dir",
-    "prepare_engines",
-]
+__all__ = ["DEFAULT_MODEL", "SOURCES", "cache_root", "download_model", "engines_cache_dir", "prepare_engines"]
 
 _LOGGER = logging.getLogger(__name__)
 

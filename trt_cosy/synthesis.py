@@ -28,18 +28,8 @@ if TYPE_CHECKING:
     from .frontend.voice import Voice
 
 __all__ = [
-    "EngineConfig",
-    "SynthesisConfig",
-    "AudioChunk",
-    "Segment",
-    "LLMPrompt",
-    "plan_segments",
-    "check_text",
-    "segment_token_limit",
-    "llm_prompt",
-    "request_rngs",
-    "write_audio",
-    "AudioPlayer",
+    "EngineConfig", "SynthesisConfig", "AudioChunk", "Segment", "LLMPrompt", "plan_segments", "check_text",
+    "segment_token_limit", "llm_prompt", "request_rngs", "write_audio", "AudioPlayer"
 ]
 
 _LOGGER = logging.getLogger(__name__)

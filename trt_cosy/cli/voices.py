@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -30,19 +31,9 @@ def voices() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Voice file to write (.npz).",
 )
-def voices_save(
-    ref: Path,
-    ref_text: str | None,
-    engines: Path | None,
-    model_dir: Path | None,
-    source: str,
-    threads: int | None,
-    precision: str | None,
-    backend: str,
-    out: Path,
-) -> None:
+def voices_save(ref: Path, ref_text: str | None, out: Path, **engine: Any) -> None:
     """Make a voice from --ref and save it as one file, for `trt-cosy say --voice`."""
-    tts = load_tts(engines, model_dir, source, threads, precision, backend=backend)
+    tts = load_tts(**engine)  # engine: the ``engine_options`` values, by name
     voice = tts.voice_from_wav(ref, ref_text)
     voice.save(out)
     mode = "zero-shot" if voice.prompt_text else "cross-lingual"
@@ -51,16 +42,9 @@ def voices_save(
 
 @voices.command("list")
 @engine_options
-def voices_list(
-    engines: Path | None,
-    model_dir: Path | None,
-    source: str,
-    threads: int | None,
-    precision: str | None,
-    backend: str,
-) -> None:
+def voices_list(**engine: Any) -> None:
     """Print the model's preset speakers, one per line (for `trt-cosy say --speaker NAME`)."""
-    tts = load_tts(engines, model_dir, source, threads, precision, backend=backend)
+    tts = load_tts(**engine)
     if not tts.speakers:
         echo_progress(
             "this model has no preset speakers (only CosyVoice-300M-SFT/-Instruct have them); "

@@ -24,13 +24,8 @@ from ..errors import ModelDirError
 from ..family_lookup import FAMILIES, families_where
 
 __all__ = [
-    "COSYVOICE2_SPECIAL_TOKENS",
-    "COSYVOICE3_SPECIAL_TOKENS",
-    "ENDOFTEXT",
-    "QWEN2_SPLIT_PATTERN",
-    "QwenTextTokenizer",
-    "build_qwen2_tokenizer",
-    "special_tokens_for",
+    "COSYVOICE2_SPECIAL_TOKENS", "COSYVOICE3_SPECIAL_TOKENS", "ENDOFTEXT", "QWEN2_SPLIT_PATTERN",
+    "QwenTextTokenizer", "build_qwen2_tokenizer", "special_tokens_for"
 ]
 
 _LOGGER = logging.getLogger(__name__)

@@ -17,16 +17,8 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
-    "AUTO",
-    "BackendChoice",
-    "CPU_PICKS",
-    "CpuPick",
-    "cpu_pick",
-    "DEFAULT_PRECISIONS",
-    "GPU_PICK",
-    "choose_backend",
-    "gpu_unavailable_reason",
-    "resolve_backend",
+    "AUTO", "BackendChoice", "CPU_PICKS", "CpuPick", "cpu_pick", "DEFAULT_PRECISIONS", "GPU_PICK",
+    "choose_backend", "gpu_unavailable_reason", "resolve_backend"
 ]
 
 _LOGGER = logging.getLogger(__name__)

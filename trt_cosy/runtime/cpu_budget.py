@@ -32,16 +32,8 @@ from typing import IO, Final
 from ..errors import InputError
 
 __all__ = [
-    "Core",
-    "CpuBudget",
-    "ReplicaSlot",
-    "ReplicaPlan",
-    "read_budget",
-    "default_threads",
-    "parse_cpu_list",
-    "pin_process",
-    "claim_slot",
-    "pin_replica",
+    "Core", "CpuBudget", "ReplicaSlot", "ReplicaPlan", "read_budget", "default_threads", "parse_cpu_list",
+    "pin_process", "claim_slot", "pin_replica"
 ]
 
 _LOGGER = logging.getLogger(__name__)

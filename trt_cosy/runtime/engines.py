@@ -25,17 +25,8 @@ from .manifest import Manifest, model_config_from_dict
 from .model import LoadedModel
 
 __all__ = [
-    "load_engines",
-    "ORT_BACKEND",
-    "MIXED_BACKEND",
-    "TABLE_NAMES",
-    "MODEL_CONFIG_NAME",
-    "FLOW_NOISE_NAME",
-    "HIFT_NOISE_NAME",
-    "SPEAKERS_NAME",
-    "TOKENIZER_DIR",
-    "graph_specs",
-    "LAZY_GRAPHS",
+    "load_engines", "ORT_BACKEND", "MIXED_BACKEND", "TABLE_NAMES", "MODEL_CONFIG_NAME", "FLOW_NOISE_NAME",
+    "HIFT_NOISE_NAME", "SPEAKERS_NAME", "TOKENIZER_DIR", "graph_specs", "LAZY_GRAPHS"
 ]
 
 _LOGGER = logging.getLogger(__name__)

@@ -41,20 +41,8 @@ from ..errors import InputError
 from .cpu_budget import CpuBudget
 
 __all__ = [
-    "MARGIN",
-    "OBJECTIVES",
-    "ONE_ENGINE",
-    "PLAN_DIR",
-    "SplitTrial",
-    "SplitChoice",
-    "ThreadPlan",
-    "budget_key",
-    "choose_all",
-    "choose_split",
-    "engines_id",
-    "find_plan",
-    "planned_split",
-    "write_plan",
+    "MARGIN", "OBJECTIVES", "ONE_ENGINE", "PLAN_DIR", "SplitTrial", "SplitChoice", "ThreadPlan", "budget_key",
+    "choose_all", "choose_split", "engines_id", "find_plan", "planned_split", "write_plan"
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -78,6 +66,16 @@ def budget_key(budget: CpuBudget) -> str:
     per_node = [sum(1 for core in budget.cores if core.node == node) for node in budget.nodes]
     quota = "none" if budget.quota_cpus is None else f"{budget.quota_cpus:g}"
     return f"u{budget.usable_cores}-n{'.'.join(map(str, per_node))}-smt{budget.smt}-q{quota}"
+
+
+def _split_dict(split: SplitTrial | SplitChoice) -> dict[str, Any]:
+    """What a trial and a choice both record: ``replicas`` engines of ``threads`` threads, pinned or not."""
+    return {"replicas": split.replicas, "threads": split.threads, "pinned": split.pinned}
+
+
+def _split_of(raw: Mapping[str, Any]) -> tuple[int, int, bool]:
+    """``_split_dict`` read back: ``(replicas, threads, pinned)``."""
+    return int(raw["replicas"]), int(raw["threads"]), bool(raw["pinned"])
 
 
 @dataclass(frozen=True)
@@ -121,9 +119,7 @@ class SplitTrial:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "replicas": self.replicas,
-            "threads": self.threads,
-            "pinned": self.pinned,
+            **_split_dict(self),
             "status": self.status,
             "rtf": [round(value, 4) for value in self.rtf],
             "first_audio_s": [round(value, 4) for value in self.first_audio_s],
@@ -134,9 +130,7 @@ class SplitTrial:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> SplitTrial:
         return cls(
-            int(raw["replicas"]),
-            int(raw["threads"]),
-            bool(raw["pinned"]),
+            *_split_of(raw),
             str(raw["status"]),
             tuple(float(v) for v in raw.get("rtf", ())),
             tuple(float(v) for v in raw.get("first_audio_s", ())),
@@ -161,24 +155,11 @@ class SplitChoice:
         return f"{self.objective}: {self.replicas} x {self.threads} thread(s), {pin} ({self.reason})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "replicas": self.replicas,
-            "threads": self.threads,
-            "pinned": self.pinned,
-            "default": self.default,
-            "reason": self.reason,
-        }
+        return {**_split_dict(self), "default": self.default, "reason": self.reason}
 
     @classmethod
     def from_dict(cls, objective: str, raw: Mapping[str, Any]) -> SplitChoice:
-        return cls(
-            objective,
-            int(raw["replicas"]),
-            int(raw["threads"]),
-            bool(raw["pinned"]),
-            bool(raw["default"]),
-            str(raw.get("reason", "")),
-        )
+        return cls(objective, *_split_of(raw), bool(raw["default"]), str(raw.get("reason", "")))
 
 
 def _is_default(trial: SplitTrial, usable_cores: int) -> bool:
@@ -203,15 +184,12 @@ def choose_split(
     if not measured:
         return SplitChoice(objective, 1, usable_cores, False, True, "nothing measured: today's default")
     best = max(measured, key=lambda trial: trial.score(objective))
+
+    def best_chosen(reason: str) -> SplitChoice:
+        return SplitChoice(objective, best.replicas, best.threads, best.pinned, False, reason)
+
     if default is None:
-        return SplitChoice(
-            objective,
-            best.replicas,
-            best.threads,
-            best.pinned,
-            False,
-            f"{best.label}: {shown(best)}, the best measured (the default was not measured)",
-        )
+        return best_chosen(f"{best.label}: {shown(best)}, the best measured (the default was not measured)")
     if best is default or best.score(objective) < default.score(objective) * (1 + margin):
         if best is default:
             reason = f"default kept: {shown(default)}, the best measured"
@@ -222,14 +200,7 @@ def choose_split(
             )
         return SplitChoice(objective, 1, usable_cores, False, True, reason)
     gain = best.score(objective) / default.score(objective) - 1
-    return SplitChoice(
-        objective,
-        best.replicas,
-        best.threads,
-        best.pinned,
-        False,
-        f"{best.label}: {shown(best)}, {gain:.0%} better than the default's {shown(default)}",
-    )
+    return best_chosen(f"{best.label}: {shown(best)}, {gain:.0%} better than the default's {shown(default)}")
 
 
 def choose_all(trials: Sequence[SplitTrial], usable_cores: int) -> dict[str, SplitChoice]:

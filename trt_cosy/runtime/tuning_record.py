@@ -17,14 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = [
-    "STAGES",
-    "TRIAL_STATUSES",
-    "Trial",
-    "StageTuning",
-    "TuningRecord",
-    "stage_of_graph",
-    "summarise_times",
-    "warn_if_tuned_elsewhere",
+    "STAGES", "TRIAL_STATUSES", "Trial", "StageTuning", "TuningRecord", "stage_of_graph", "summarise_times",
+    "warn_if_tuned_elsewhere"
 ]
 
 _LOGGER = logging.getLogger(__name__)

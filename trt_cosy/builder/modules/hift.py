@@ -17,7 +17,7 @@ from torch import nn
 
 from ...config import HiFTConfig
 from ..checkpoint import fold_weight_norm, load_strict, read_state_dict
-from .hift_source import ConvISTFT, ConvSTFT, SourceModule
+from .hift_source import ConvISTFT, ConvSTFT, SourceModule, source_options
 
 __all__ = ["HiFTGenerator", "HiFTGraph", "load_hift"]
 
@@ -89,14 +89,7 @@ class HiFTGenerator(nn.Module):
         self.config = config
         base = config.base_channels
         n_fft, hop = config.istft_n_fft, config.istft_hop_len
-        self.m_source = SourceModule(
-            sampling_rate=config.sampling_rate,
-            samples_per_frame=config.samples_per_frame,
-            harmonics=config.nb_harmonics,
-            sine_amp=config.nsf_alpha,
-            noise_std=config.nsf_sigma,
-            voiced_threshold=config.nsf_voiced_threshold,
-        )
+        self.m_source = SourceModule(**source_options(config))
         self.f0_predictor = F0Predictor(config.f0_in_channels, config.f0_cond_channels)
         self.conv_pre = nn.Conv1d(config.in_channels, base, 7, padding=3)
         self.ups = nn.ModuleList(

@@ -10,13 +10,16 @@ long cumulative phase stays within the golden tolerances. The Gaussian noise is 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SourceModule", "ConvSTFT", "ConvISTFT", "upsample_linear", "periodic_hann"]
+from ...config import HiFTConfig
+
+__all__ = ["SourceModule", "source_options", "ConvSTFT", "ConvISTFT", "upsample_linear", "periodic_hann"]
 
 
 def periodic_hann(n_fft: int) -> np.ndarray:
@@ -44,6 +47,18 @@ def upsample_linear(x: torch.Tensor, scale: int) -> torch.Tensor:
     x0 = torch.index_select(x, -1, index0.long())  # x0: [B, C, S]
     x1 = torch.index_select(x, -1, index1.long())  # x1: [B, C, S]
     return weight0 * x0 + weight1 * x1  # [B, C, S]
+
+
+def source_options(config: HiFTConfig) -> dict[str, Any]:
+    """The NSF source's constructor arguments from a HiFT config (the same for every family's source)."""
+    return dict(
+        sampling_rate=config.sampling_rate,
+        samples_per_frame=config.samples_per_frame,
+        harmonics=config.nb_harmonics,
+        sine_amp=config.nsf_alpha,
+        noise_std=config.nsf_sigma,
+        voiced_threshold=config.nsf_voiced_threshold,
+    )
 
 
 class SourceModule(nn.Module):

@@ -44,18 +44,9 @@ from ..onnx.files import save_onnx
 from ..quiet_logs import quiet_logger
 
 __all__ = [
-    "QUANTIZED_PRECISIONS",
-    "QUANTIZABLE_FAMILIES",
-    "VOCODER_METHOD",
-    "StagePlan",
-    "precision_plan",
-    "fuse_rms_norm",
-    "quantize_weights_nbits",
-    "quantize_matmul_int8",
-    "quantize_float_matmuls_nbits",
-    "quantize_engines",
-    "nbits_blocks",
-    "derive_engines",
+    "QUANTIZED_PRECISIONS", "QUANTIZABLE_FAMILIES", "VOCODER_METHOD", "StagePlan", "precision_plan",
+    "fuse_rms_norm", "quantize_weights_nbits", "quantize_matmul_int8", "quantize_float_matmuls_nbits",
+    "quantize_engines", "nbits_blocks", "derive_engines"
 ]
 
 _LOGGER = logging.getLogger(__name__)

@@ -32,22 +32,11 @@ import numpy as np
 import onnx
 
 from ...family_lookup import FAMILIES, FamilyTable, family_named
-from .int8_conv import (
-    CALIBRATION_TARGETS,
-    CALIBRATION_UTTERANCES,
-    Recorder,
-    convolutions_where,
-    log_mel_like,
-    rewrite_calibrated,
-)
+from .int8_conv import CALIBRATION_UTTERANCES, Recorder, convolutions_where, log_mel_like, rewrite_calibrated
 
 __all__ = [
-    "ESTIMATOR_GRAPHS",
-    "ESTIMATOR_CONV_PATTERN",
-    "CALIBRATION_UTTERANCES",
-    "estimator_convolutions",
-    "estimator_calibration_feeds",
-    "quantize_estimators",
+    "ESTIMATOR_GRAPHS", "ESTIMATOR_CONV_PATTERN", "CALIBRATION_UTTERANCES", "estimator_convolutions",
+    "estimator_calibration_feeds", "quantize_estimators"
 ]
 
 # Per family (config.family): the estimator graphs whose middle-block convolutions become int8, each
@@ -83,16 +72,9 @@ def estimator_calibration_feeds(
 ) -> list[Feed]:
     """The feeds the family's flow stage gives ``graph`` for ``utterances`` seeded utterances of
     ``model`` (a ``LoadedModel``; every solver step), then each of them in the log-mel range."""
-    from ...family_lookup import family_of
-    from ...verify.quality import QualityInputs
-
-    feeds = family_of(model.config).quality
-
-    def run() -> None:
-        for seed in range(utterances):
-            feeds.mel(model, QualityInputs.random(model, targets=CALIBRATION_TARGETS, seed=1000 + seed), seed)
-
-    recorded = Recorder.recording(model, graph, run)
+    recorded = Recorder.utterances(
+        model, graph, utterances, lambda feeds, inputs, seed: feeds.mel(model, inputs, seed)
+    )
     return recorded + [_in_log_mel_range(feed, index) for index, feed in enumerate(recorded)]
 
 

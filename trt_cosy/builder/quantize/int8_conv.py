@@ -78,6 +78,25 @@ class Recorder:
             )
         return recorder.feeds
 
+    @classmethod
+    def utterances(
+        cls, model: Any, graph: str, utterances: int, utterance: Callable[[Any, Any, int], object]
+    ) -> list[Feed]:
+        """``recording`` while ``utterance(feeds, inputs, seed)`` runs for ``utterances`` seeded
+        utterances: ``feeds`` the family's quality feeds, ``inputs`` random ``QualityInputs`` of
+        ``CALIBRATION_TARGETS`` speech tokens."""
+        from ...family_lookup import family_of
+        from ...verify.quality import QualityInputs
+
+        feeds = family_of(model.config).quality
+
+        def run() -> None:
+            for seed in range(utterances):
+                inputs = QualityInputs.random(model, targets=CALIBRATION_TARGETS, seed=1000 + seed)
+                utterance(feeds, inputs, seed)
+
+        return cls.recording(model, graph, run)
+
 
 def convolutions_where(model: onnx.ModelProto, chosen: Callable[[str], object]) -> list[str]:
     """Names of the ``Conv`` nodes with a constant weight whose name ``chosen`` accepts."""

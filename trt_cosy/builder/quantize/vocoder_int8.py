@@ -28,22 +28,11 @@ import numpy as np
 import onnx
 
 from ...family_lookup import FAMILIES, FamilyTable, family_named
-from .int8_conv import (
-    CALIBRATION_TARGETS,
-    CALIBRATION_UTTERANCES,
-    Recorder,
-    convolutions_where,
-    log_mel_like,
-    rewrite_calibrated,
-)
+from .int8_conv import CALIBRATION_UTTERANCES, Recorder, convolutions_where, log_mel_like, rewrite_calibrated
 
 __all__ = [
-    "VOCODER_GRAPHS",
-    "INT8_CONV_PREFIXES",
-    "CALIBRATION_UTTERANCES",
-    "int8_convolutions",
-    "calibration_feeds",
-    "quantize_vocoders",
+    "VOCODER_GRAPHS", "INT8_CONV_PREFIXES", "CALIBRATION_UTTERANCES", "int8_convolutions",
+    "calibration_feeds", "quantize_vocoders"
 ]
 
 # Per family (config.family): the vocoder graphs whose convolutions the reduced precisions make int8,
@@ -66,20 +55,14 @@ def calibration_feeds(
     """The feeds the family's vocoder stage gives ``graph`` for ``utterances`` seeded utterances of
     ``model`` (a ``LoadedModel``): random speech tokens, the checkpoint's flow, its own vocoder draws;
     after each, a log-mel-range input through the same stage."""
-    from ...family_lookup import family_of
-    from ...verify.quality import QualityInputs
 
-    feeds = family_of(model.config).quality
+    def utterance(feeds: Any, inputs: Any, seed: int) -> None:
+        mel = feeds.mel(model, inputs, seed)  # [1, 80, F]: the checkpoint's own flow
+        feeds.wav(model, mel, feeds.vocoder_draws(model, mel.shape[2], seed))
+        log_mel = log_mel_like(mel.shape, seed)  # [1, 80, F]: the range of real speech features
+        feeds.wav(model, log_mel, feeds.vocoder_draws(model, log_mel.shape[2], seed))
 
-    def run() -> None:
-        for seed in range(utterances):
-            inputs = QualityInputs.random(model, targets=CALIBRATION_TARGETS, seed=1000 + seed)
-            mel = feeds.mel(model, inputs, seed)  # [1, 80, F]: the checkpoint's own flow
-            feeds.wav(model, mel, feeds.vocoder_draws(model, mel.shape[2], seed))
-            log_mel = log_mel_like(mel.shape, seed)  # [1, 80, F]: the range of real speech features
-            feeds.wav(model, log_mel, feeds.vocoder_draws(model, log_mel.shape[2], seed))
-
-    return Recorder.recording(model, graph, run)
+    return Recorder.utterances(model, graph, utterances, utterance)
 
 
 def quantize_vocoders(directory: Path, family: str, progress: Progress | None = None) -> dict[str, int]:

@@ -73,14 +73,8 @@ from .parity import (
 )
 
 __all__ = [
-    "TRT_PRECISIONS",
-    "TRT_FAMILIES",
-    "TRT_SUMMARY_NAME",
-    "TIMING_CACHE_NAME",
-    "prepare_trt_graphs",
-    "build_plans",
-    "build_plan",
-    "graph_file",
+    "TRT_PRECISIONS", "TRT_FAMILIES", "TRT_SUMMARY_NAME", "TIMING_CACHE_NAME", "prepare_trt_graphs",
+    "build_plans", "build_plan", "graph_file"
 ]
 
 _LOGGER = logging.getLogger(__name__)

@@ -230,17 +230,14 @@ class V2Family(Family):
         has_text = voice.prompt_text_ids.size > 0
         text_ids = voice.prompt_text_ids.astype(np.int64) if has_text else empty
         speech_ids = voice.speech_tokens.astype(np.int64) if has_text else empty
-        return self._zero_shot_prompt(voice, has_text, text_ids, speech_ids, encode)
-
-    def _zero_shot_prompt(
-        self,
-        voice: Voice,
-        has_text: bool,
-        text_ids: np.ndarray,
-        speech_ids: np.ndarray,
-        encode: Callable[[str], list[int]],
-    ) -> LLMPrompt:
+        system = self._system_ids(voice, has_text, encode)
+        if system.size:
+            text_ids = np.concatenate([system, text_ids])
         return LLMPrompt(text_ids, speech_ids)
+
+    def _system_ids(self, voice: Voice, has_text: bool, encode: Callable[[str], list[int]]) -> np.ndarray:
+        """Token ids in front of a zero-shot prompt text: none here (CosyVoice3 puts its system prompt)."""
+        return np.zeros(0, np.int64)
 
     def speech_budget(self, model: LoadedModel, voice: Voice) -> int:
         """As far as the engines' fixed CFM noise goes, less the voice's prompt tokens."""

@@ -133,18 +133,10 @@ class V3Family(V2Family):
             return f"{V3_SYSTEM_PROMPT} {instruct}"
         return instruct
 
-    def _zero_shot_prompt(
-        self,
-        voice: Voice,
-        has_text: bool,
-        text_ids: np.ndarray,
-        speech_ids: np.ndarray,
-        encode: Callable[[str], list[int]],
-    ) -> LLMPrompt:
+    def _system_ids(self, voice: Voice, has_text: bool, encode: Callable[[str], list[int]]) -> np.ndarray:
         if not (has_text and ENDOFPROMPT in voice.prompt_text):
-            system = np.asarray(encode(V3_SYSTEM_PROMPT + ENDOFPROMPT), np.int64)  # [Ns]
-            return LLMPrompt(np.concatenate([system, text_ids]), speech_ids)
-        return LLMPrompt(text_ids, speech_ids)
+            return np.asarray(encode(V3_SYSTEM_PROMPT + ENDOFPROMPT), np.int64)  # [Ns]
+        return np.zeros(0, np.int64)
 
     def speech_budget(self, model: LoadedModel, voice: Voice) -> int:
         """CosyVoice2's budget, capped by the engines' fixed HiFT noise."""

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ....builder.checkpoint import fold_weight_norm, load_strict, read_state_dict
 from ....builder.modules.hift import HiFTGenerator
+from ....builder.modules.hift_source import source_options
 from ....config import HiFTConfig
 
 __all__ = ["MAX_EXACT_FRAMES", "SineGenSource", "HiFTGraphV1", "build_hift_v1", "load_hift_v1"]
@@ -150,14 +151,7 @@ class HiFTGraphV1(nn.Module):
 def build_hift_v1(config: HiFTConfig) -> HiFTGenerator:
     """The shared generator with its source swapped for the v1 ``SineGen`` one."""
     hift = HiFTGenerator(config)
-    hift.m_source = SineGenSource(
-        sampling_rate=config.sampling_rate,
-        harmonics=config.nb_harmonics,
-        sine_amp=config.nsf_alpha,
-        noise_std=config.nsf_sigma,
-        voiced_threshold=config.nsf_voiced_threshold,
-        samples_per_frame=config.samples_per_frame,
-    )
+    hift.m_source = SineGenSource(**source_options(config))
     return hift
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ....builder.checkpoint import fold_weight_norm, load_strict, read_state_dict
 from ....builder.modules.hift import ResBlock, _source_down_rates
-from ....builder.modules.hift_source import ConvISTFT, ConvSTFT, SourceModule
+from ....builder.modules.hift_source import ConvISTFT, ConvSTFT, SourceModule, source_options
 from ..config import CausalHiFTConfig
 
 __all__ = ["CausalConv1d", "CausalHiFTGenerator", "CausalHiFTGraph", "load_causal_hift"]
@@ -130,14 +130,7 @@ class CausalHiFTGenerator(nn.Module):
         self.config = config
         base = config.base_channels
         n_fft = config.istft_n_fft
-        self.m_source = CausalSourceModule(
-            sampling_rate=config.sampling_rate,
-            samples_per_frame=config.samples_per_frame,
-            harmonics=config.nb_harmonics,
-            sine_amp=config.nsf_alpha,
-            noise_std=config.nsf_sigma,
-            voiced_threshold=config.nsf_voiced_threshold,
-        )
+        self.m_source = CausalSourceModule(**source_options(config))
         self.f0_predictor = CausalF0Predictor(config.f0_in_channels, config.f0_cond_channels)
         self.conv_pre = CausalConv1d(config.in_channels, base, config.conv_pre_look_right + 1, right=True)
         rates, kernels = config.upsample_rates, config.upsample_kernel_sizes

@@ -17,13 +17,8 @@ from ...cpu_budget import default_threads
 from ..base import GraphRunner, KVDecoder, LazyRunner
 
 __all__ = [
-    "OrtRunner",
-    "LazyOrtRunner",
-    "OrtKVDecoder",
-    "default_threads",
-    "use_shared_arena",
-    "check_engine_runtime",
-    "MIN_ENGINE_ORT",
+    "OrtRunner", "LazyOrtRunner", "OrtKVDecoder", "default_threads", "use_shared_arena",
+    "check_engine_runtime", "MIN_ENGINE_ORT"
 ]
 
 _LOGGER = logging.getLogger(__name__)
