@@ -54,6 +54,7 @@ __all__ = [
     "INCREMENTAL_FILE",
     "INCREMENTAL_BACKENDS",
     "incremental_export_plan",
+    "incremental_feeds_plan",
     "unet_incremental_graph",
     "export_incremental_estimator",
     "export_incremental_graph",
@@ -88,14 +89,23 @@ def incremental_export_plan(
     Without ``estimator`` the cache layout comes from ``config`` (``stages.flow_incremental.cache_layout``,
     tested equal): the TensorRT fp16 pass calibrates on these feeds without the torch model.
     """
-    rng = np.random.default_rng(seed)
-    mels = config.flow.output_size
     if estimator is None:
         blocks, width, channels = cache_layout(config.flow.estimator)
         chunk = config.flow.estimator.static_chunk_size
     else:
         blocks, width, channels = incremental_cache_layout(estimator)
         chunk = estimator.config.static_chunk_size
+    return incremental_feeds_plan(config.flow.output_size, (blocks, width, channels, 2), chunk, 37, seed)
+
+
+def incremental_feeds_plan(
+    mels: int, layout: tuple[int, int, int, int], chunk: int, longest: int, seed: int
+) -> GraphPlan:
+    """An incremental estimator's seeded sample and parity feeds and dynamic dims (any family):
+    ``layout`` = (L cached blocks, D their width, C tail channels, the tail's frames); the parity feeds
+    hold P = 0, a single new frame and ``longest`` new frames after three chunks."""
+    rng = np.random.default_rng(seed)
+    blocks, width, channels, tail = layout
 
     def feed(new: int, past: int) -> dict[str, np.ndarray]:
         return {
@@ -105,14 +115,13 @@ def incremental_export_plan(
             "spks": rng.standard_normal((2, mels), dtype=np.float32),  # [2, 80]
             "cond": rng.standard_normal((2, mels, new), dtype=np.float32),  # [2, 80, T]
             "past_blocks": rng.standard_normal((past, blocks, 2, width), dtype=np.float32),  # [P, L, 2, D]
-            "past_tails": rng.standard_normal((2, channels, 2), dtype=np.float32),  # [2, C, 2]
+            "past_tails": rng.standard_normal((2, channels, tail), dtype=np.float32),  # [2, C, tail]
         }
 
     new, past = Dim("T", min=1), Dim("P", min=0)
     dynamic = {name: {2: new} for name in ("x", "mu", "cond")} | {"past_blocks": {0: past}}
-    return GraphPlan(
-        feed(chunk + 13, 2 * chunk), (feed(2 * chunk + 7, 0), feed(1, chunk), feed(37, 3 * chunk)), dynamic
-    )
+    parity = (feed(2 * chunk + 7, 0), feed(1, chunk), feed(longest, 3 * chunk))
+    return GraphPlan(feed(chunk + 13, 2 * chunk), parity, dynamic)
 
 
 def export_incremental_estimator(

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 from torch import nn
-from torch.export import Dim
 
 from ....builder.export import GraphPlan
+from ....builder.flow_incremental import incremental_feeds_plan
 from ....builder.modules.flow_estimator_incremental import chunk_attention_bias
 from ..config import DiTConfig, V3ModelConfig
 from .dit import DiT, DiTBlock, _modulate, apply_rotary, rotary_tables
@@ -134,25 +133,6 @@ class V3IncrementalEstimatorGraph(nn.Module):
 
 def v3_incremental_export_plan(config: V3ModelConfig, seed: int = 0) -> GraphPlan:
     """Sample and parity feeds (P = 0, a single new frame, T shorter than the tails included)."""
-    rng = np.random.default_rng(seed)
     dit = config.flow.estimator
-    mels = config.flow.output_size
-    blocks, width, channels, tail = v3_incremental_cache_layout(dit)
-    chunk = dit.static_chunk_size
-
-    def feed(new: int, past: int) -> dict[str, np.ndarray]:
-        return {
-            "x": rng.standard_normal((2, mels, new), dtype=np.float32),  # [2, 80, T]
-            "mu": rng.standard_normal((2, mels, new), dtype=np.float32),  # [2, 80, T]
-            "t": rng.uniform(0.0, 1.0, 2).astype(np.float32),  # [2]
-            "spks": rng.standard_normal((2, mels), dtype=np.float32),  # [2, 80]
-            "cond": rng.standard_normal((2, mels, new), dtype=np.float32),  # [2, 80, T]
-            "past_blocks": rng.standard_normal((past, blocks, 2, width), dtype=np.float32),  # [P, L, 2, D]
-            "past_tails": rng.standard_normal((2, channels, tail), dtype=np.float32),  # [2, 2D, 30]
-        }
-
-    new, past = Dim("T", min=1), Dim("P", min=0)
-    dynamic = {name: {2: new} for name in ("x", "mu", "cond")} | {"past_blocks": {0: past}}
-    return GraphPlan(
-        feed(chunk + 13, 2 * chunk), (feed(2 * chunk + 7, 0), feed(1, chunk), feed(17, 3 * chunk)), dynamic
-    )
+    layout = v3_incremental_cache_layout(dit)  # tails: [2, 2D, 30]
+    return incremental_feeds_plan(config.flow.output_size, layout, dit.static_chunk_size, 17, seed)
