@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from ...config import EstimatorConfig
 from ...errors import ModelDirError
@@ -28,6 +29,7 @@ __all__ = [
     "TransformerBlock",
     "sinusoidal_embedding",
     "estimator_attention_bias",
+    "CFMEstimator",
     "CausalConditionalDecoder",
 ]
 
@@ -174,11 +176,43 @@ def estimator_attention_bias(mask: torch.Tensor, chunk: int, streaming: bool) ->
     return ((1.0 - allowed.to(mask.dtype)) * _MASK_BIAS).unsqueeze(1)  # [B, 1, T, T]
 
 
-class CausalConditionalDecoder(nn.Module):
+class CFMEstimator(nn.Module):
+    """A CFM estimator (v2's U-Net, v3's DiT): ``forward(x, mask, mu, t, spks, cond) -> velocity [B, 80, T]``,
+    attention full or chunked (``streaming``); a subclass computes the ``velocity``."""
+
+    def __init__(self, config: Any, streaming: bool):
+        super().__init__()
+        self.config = config
+        self.streaming = streaming
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        streaming: bool | None = None,
+    ) -> torch.Tensor:
+        """x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80] -> [B, 80, T].
+
+        ``streaming`` overrides the constructor flag (a Python bool, fixed in an exported graph).
+        """
+        return self.velocity(x, mask, mu, t, spks, cond, self.streaming if streaming is None else streaming)
+
+    def velocity(
+        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, chunked: bool
+    ) -> Tensor:
+        """``forward`` with ``chunked``: the attention is chunked (``static_chunk_size``)."""
+        raise NotImplementedError
+
+
+class CausalConditionalDecoder(CFMEstimator):
     """The v2 estimator: ``forward(x, mask, mu, t, spks, cond) -> velocity [B, 80, T]``."""
 
     def __init__(self, config: EstimatorConfig, streaming: bool = False):
-        super().__init__()
+        super().__init__(config, streaming)
         if len(config.channels) != 1:
             raise ModelDirError(
                 f"estimator channels {list(config.channels)}: only the one-level CausalConditionalDecoder "
@@ -186,8 +220,6 @@ class CausalConditionalDecoder(nn.Module):
             )
         width = config.channels[0]
         time_dim = width * 4
-        self.config = config
-        self.streaming = streaming
         self.time_mlp = _TimeMLP(config.in_channels, time_dim)
 
         def stage(dim_in: int, with_conv: bool) -> nn.ModuleList:
@@ -215,21 +247,9 @@ class CausalConditionalDecoder(nn.Module):
             h = block(h, bias)
         return h.transpose(1, 2)  # [B, C, T]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor,
-        mu: torch.Tensor,
-        t: torch.Tensor,
-        spks: torch.Tensor,
-        cond: torch.Tensor,
-        streaming: bool | None = None,
-    ) -> torch.Tensor:
-        """x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80] -> [B, 80, T].
-
-        ``streaming`` overrides the constructor flag (a Python bool, fixed in an exported graph).
-        """
-        chunked = self.streaming if streaming is None else streaming
+    def velocity(
+        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, chunked: bool
+    ) -> Tensor:
         temb = self.time_mlp(sinusoidal_embedding(t, self.config.in_channels).to(t.dtype))  # [B, 4W]
         frames = x.shape[-1]
         speaker = spks.unsqueeze(-1).expand(spks.shape[0], spks.shape[1], frames)  # [B, 80, T]

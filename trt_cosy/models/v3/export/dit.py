@@ -23,9 +23,9 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from ....builder.modules.flow_estimator import estimator_attention_bias, sinusoidal_embedding
+from ....builder.modules.flow_estimator import CFMEstimator, estimator_attention_bias, sinusoidal_embedding
 from ..config import DiTConfig
 
 __all__ = ["DiT", "DiTBlock", "rotary_tables", "apply_rotary"]
@@ -194,16 +194,14 @@ class DiTBlock(nn.Module):
         return x + gate_mlp * self.ff(_modulate(x, shift_mlp, scale_mlp))  # [B, T, D]
 
 
-class DiT(nn.Module):
+class DiT(CFMEstimator):
     """The v3 estimator: ``forward(x, mask, mu, t, spks, cond) -> velocity [B, 80, T]``.
 
     State-dict keys equal the official ones under ``decoder.estimator.``.
     """
 
     def __init__(self, config: DiTConfig, streaming: bool = False):
-        super().__init__()
-        self.config = config
-        self.streaming = streaming
+        super().__init__(config, streaming)
         self.time_embed = _TimestepEmbedding(config.dim, config.time_freq_dim)
         self.input_embed = _InputEmbedding(config)
         self.rotary_embed = _RotaryEmbedding(config.dim_head)
@@ -211,21 +209,9 @@ class DiT(nn.Module):
         self.norm_out = _AdaLayerNorm(config.dim, 2)
         self.proj_out = nn.Linear(config.dim, config.mel_dim)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor,
-        mu: torch.Tensor,
-        t: torch.Tensor,
-        spks: torch.Tensor,
-        cond: torch.Tensor,
-        streaming: bool | None = None,
-    ) -> torch.Tensor:
-        """x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80] -> [B, 80, T].
-
-        ``streaming`` overrides the constructor flag (a Python bool, fixed in an exported graph).
-        """
-        chunked = self.streaming if streaming is None else streaming
+    def velocity(
+        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, chunked: bool
+    ) -> Tensor:
         temb = self.time_embed(t)  # temb: [B, D]
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)  # [B, T, D]
         rope = rotary_tables(self.rotary_embed.inv_freq, h.shape[1])  # cos, sin: [T, Dh]
