@@ -7,7 +7,9 @@ import math
 import pytest
 
 from trt_cosy.server.admission import (
+    MARGIN_RANGE,
     AdmittedJob,
+    FinishAccuracy,
     Refusal,
     SpeedModel,
     WorkAdmission,
@@ -95,6 +97,55 @@ def test_the_issue_scenario_admits_what_finishes_and_refuses_the_rest_with_retry
         # 336 s with the queue against 240 s allowed: the queue must drain 96 s first.
         assert refusal.retry_after_s == math.ceil(3 * 112 - 0.8 * 300)
     assert [job.number for job in admitted] == [0, 1]
+
+
+def test_the_margin_moves_to_what_completed_requests_proved_and_lets_a_second_long_one_in():
+    """The issue's burst on a machine where one request takes 122 s: two need 244 s, past 0.8 x 300 s.
+    After one request finished 3 % later than predicted, the margin is 0.84 (half way to the 0.885 the
+    prediction proved): the second fits, the third still does not; a machine that ran late shrinks it."""
+    policy, clock = _policy(seconds_per_token=0.1)
+    assert policy.margin_now() == 0.8
+    assert [isinstance(policy.admit([122], False, 300), AdmittedJob) for _ in range(3)] == [
+        True,
+        False,
+        False,
+    ]
+    policy, clock = _policy(seconds_per_token=0.1)
+    taught = policy.admit([122], False, 300)
+    assert isinstance(taught, AdmittedJob) and taught.predicted_s == pytest.approx(122)
+    _run(policy, clock, taught, 122 * 1.03, 1220)
+    assert policy.margin_now() == pytest.approx(0.8 + 0.5 * (1 / 1.13 - 0.8))
+    results = [policy.admit([122], False, 300) for _ in range(8)]
+    assert [isinstance(result, AdmittedJob) for result in results] == [True, True] + [False] * 6
+    assert 2 * 122 < results[1].predicted_s < 2 * 122 * 1.03  # the speed moved towards the 3 %
+
+    warm, clock = _policy(seconds_per_token=0.1, confirmed=False)  # the warm-up's speed only
+    job = warm.admit([100], False, 300)
+    assert math.isnan(job.predicted_s)
+    _run(warm, clock, job, 150, 1000)  # its error is the warm-up's, replaced now: the margin learns nothing
+    assert warm.margin_now() == 0.8
+
+    late, clock = _policy(seconds_per_token=0.1)
+    job = late.admit([100], False, 300)
+    _run(late, clock, job, 150, 1000)  # 50 % later than predicted
+    assert MARGIN_RANGE[0] <= late.margin_now() < 0.8
+
+
+def test_finish_accuracy_remembers_the_worst_recent_overrun_within_bounds():
+    accuracy = FinishAccuracy(0.8, history=4)
+    accuracy.observe(math.nan, 10)  # no prediction (speed not measured): nothing learnt
+    accuracy.observe(10, 0)
+    assert accuracy.worst is None and accuracy.margin() == 0.8
+    for _ in range(20):
+        accuracy.observe(100, 50)  # always early: the margin goes up to its bound, not past it
+    assert accuracy.margin() == MARGIN_RANGE[1]
+    accuracy.observe(100, 130)
+    assert accuracy.worst == pytest.approx(1.3)
+    for _ in range(3):
+        accuracy.observe(100, 50)
+    assert accuracy.worst == pytest.approx(1.3)  # still among the last four
+    accuracy.observe(100, 50)
+    assert accuracy.worst == pytest.approx(0.5)  # forgotten after four more
 
 
 def test_retry_after_shrinks_as_the_work_is_done():

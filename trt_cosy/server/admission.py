@@ -34,8 +34,10 @@ The rule (``WorkAdmission.admit``):
   real requests (until then only the warm-up's estimate, high for long texts, is known: such a
   request is admitted when nothing else runs, else refused with 503);
 - otherwise, with other work admitted, it is admitted when its predicted finish is within
-  ``margin`` of its timeout and no admitted request that was on time (within ``others_margin`` of
-  its timeout) becomes late because of it;
+  the margin of its timeout (``WorkAdmission.margin_now``: the configured ``margin`` until requests
+  have completed, then moving towards what their predicted finishes proved: ``FinishAccuracy``) and
+  no admitted request that was on time (within ``others_margin`` of its timeout) becomes late
+  because of it;
   else 503 (``overloaded``) with a ``Retry-After`` of the seconds the queue needs to drain enough;
 - a streamed request is judged on its time to first audio (the same rule, on the first chunk) and
   on keeping up: the streams running together must need at most the machine's real-time capacity
@@ -50,6 +52,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -66,6 +69,7 @@ __all__ = [
     "DEFAULT_MARGIN",
     "DEFAULT_OTHERS_MARGIN",
     "DEFAULT_ALPHA",
+    "FinishAccuracy",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -77,6 +81,55 @@ DEFAULT_OTHERS_MARGIN: Final = 0.95
 """Share of an admitted request's timeout that later, shorter requests served before it may push
 its predicted finish to: they use the estimation margin of the long requests admitted before them
 (so that short requests keep completing while long ones fill the server), not all of it."""
+MARGIN_RANGE: Final = (0.5, 0.9)
+"""Bounds of the learnt margin (``FinishAccuracy``): at most 0.9 however exact the predictions were
+(a request may speak longer than any before it), at least 0.5 however late they ran."""
+FINISH_SLACK: Final = 0.1
+"""Added to the worst over-run seen: a prediction that proved exact still leaves 10 % for what it
+has not seen (a machine that gets busier, a text spoken longer)."""
+FINISH_HISTORY: Final = 16
+"""Completed requests whose prediction accuracy the learnt margin remembers."""
+
+
+class FinishAccuracy:
+    """How late completed requests finished against the finish predicted when they were admitted,
+    and the margin of the timeout that this accuracy calls for.
+
+    Each completed request gives ``actual / predicted`` seconds from admission to its end. The margin
+    the predictions proved is ``1 / (worst of the last FINISH_HISTORY + FINISH_SLACK)``; with ``n``
+    requests seen, the margin used moves from the configured one that far by ``n / (n + 1)`` (one
+    request is half the evidence of many), within ``MARGIN_RANGE``. A machine that ran 3 % over its
+    predictions thus admits up to 0.84 of a timeout after one request and 0.88 after eight, where
+    a fixed 0.8 refused a second request of a burst that would have finished in 81 % of it
+    (docs/benchmarks.md, "Admission by expected work").
+    """
+
+    def __init__(self, margin: float, history: int = FINISH_HISTORY):
+        self.configured = margin
+        self._ratios: deque[float] = deque(maxlen=history)
+        self.seen = 0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        """A request predicted to end ``predicted_s`` after its admission ended after ``actual_s``."""
+        if not (math.isfinite(predicted_s) and predicted_s > 0 and math.isfinite(actual_s) and actual_s > 0):
+            return
+        self._ratios.append(actual_s / predicted_s)
+        self.seen += 1
+
+    @property
+    def worst(self) -> float | None:
+        """The largest ``actual / predicted`` remembered; None before any."""
+        return max(self._ratios) if self._ratios else None
+
+    def margin(self) -> float:
+        """The share of a timeout a predicted finish may use now."""
+        worst = self.worst
+        if worst is None:
+            return self.configured
+        proved = 1.0 / (max(worst, 0.0) + FINISH_SLACK)
+        weight = self.seen / (self.seen + 1)
+        low, high = MARGIN_RANGE
+        return min(high, max(low, self.configured + weight * (proved - self.configured)))
 
 
 @dataclass(eq=False)
@@ -96,6 +149,9 @@ class AdmittedJob:
     deadline: float
     estimated_s: float
     """Expected machine seconds of the whole request when it was admitted (NaN: speed not measured)."""
+    predicted_s: float = math.nan
+    """Seconds from admission to its end that were predicted when it was admitted, in the order the
+    engine serves (non-streamed requests; NaN: streamed, or the speed not confirmed yet)."""
     produced: float = 0.0
     """Work done so far, in speech tokens' worth (its chunks' tokens and segment costs)."""
     speech_tokens: float = 0.0
@@ -215,6 +271,7 @@ class WorkAdmission:
             raise ValueError(f"margin must be in (0, 1], got {margin}")
         self.speed = speed
         self.margin = margin
+        self.accuracy = FinishAccuracy(margin)
         self.others_margin = max(margin, others_margin)
         self.tokens_per_audio_s = tokens_per_audio_s
         self.stream_first_tokens = stream_first_tokens
@@ -232,6 +289,10 @@ class WorkAdmission:
     def jobs(self) -> list[AdmittedJob]:
         """The admitted jobs not finished yet, in admission order."""
         return sorted(self._jobs.values(), key=lambda job: job.number)
+
+    def margin_now(self) -> float:
+        """The share of its timeout a new request's predicted finish may use now (``FinishAccuracy``)."""
+        return self.accuracy.margin()
 
     def work_ahead_s(self) -> float:
         """Expected machine seconds of the admitted work still to do."""
@@ -329,6 +390,7 @@ class WorkAdmission:
                 estimated_s=job.estimated_s,
             )
         if not others:
+            self._predicted(job, alone)
             return None
         if job.streaming and self.speed.confirmed:  # the warm-up's streamed pass also opens a session
             refusal = self._keep_up(job, others)
@@ -339,12 +401,15 @@ class WorkAdmission:
         job.number = next(self._numbers)
         after = WorkOrder.predict([*others, job], self._remaining)
         own_s = after.first_audio.get(job.number, 0.0) if job.streaming else after.finish[job.number]
-        budget = self.margin * timeout_s
+        margin = self.margin_now()
+        budget = margin * timeout_s
         waits = []
         if own_s > budget:
             waits.append(own_s - budget)
         for other in others:  # no request on time becomes late because of this one
-            left = self.others_margin * (other.deadline - other.admitted_at) - (now - other.admitted_at)
+            left = max(margin, self.others_margin) * (other.deadline - other.admitted_at) - (
+                now - other.admitted_at
+            )
             if other.streaming:
                 was, now_s = before.first_audio.get(other.number), after.first_audio.get(other.number)
             else:
@@ -352,6 +417,7 @@ class WorkAdmission:
             if was is not None and now_s is not None and was <= left < now_s:
                 waits.append(was)  # after it is done, it is no longer delayed
         if not waits:
+            self._predicted(job, own_s)
             return None
         retry = max(1, math.ceil(max(waits)))
         what = "its first audio" if job.streaming else "it"
@@ -363,6 +429,13 @@ class WorkAdmission:
             retry_after_s=retry,
             estimated_s=job.estimated_s,
         )
+
+    def _predicted(self, job: AdmittedJob, finish_s: float) -> None:
+        """Keep the finish predicted for an admitted non-streamed job, to learn the margin from
+        (``FinishAccuracy``): only a prediction from a confirmed speed (the warm-up's is replaced by
+        the first real observation, so its error says nothing of the predictions that follow)."""
+        if not job.streaming and self.speed.confirmed:
+            job.predicted_s = finish_s
 
     def _keep_up(self, job: AdmittedJob, others: list[AdmittedJob]) -> Refusal | None:
         streams = [other for other in others if other.streaming]
@@ -437,6 +510,7 @@ class WorkAdmission:
         self._jobs.pop(job.number, None)
         if not completed or job.speech_tokens <= 0 or not job.teaches:
             return
+        self.accuracy.observe(job.predicted_s, self._clock() - job.admitted_at)
         self.speed.observe_ratio(job.text_tokens, job.speech_tokens)
         if not self.speed.known(job.streaming):
             if job.work_s > 0:

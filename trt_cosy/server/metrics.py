@@ -92,6 +92,10 @@ class Metrics:
         self.admitted_work = gauge(
             "admitted_work_seconds", "Expected machine seconds of the admitted work still to do."
         )
+        self.admission_margin = gauge(
+            "admission_margin",
+            "Share of its timeout a request's predicted finish may use now (learnt from completed requests).",
+        )
         self.seconds_per_token = gauge(
             "seconds_per_speech_token",
             "Measured machine seconds per speech token, by mode (whole, streamed).",

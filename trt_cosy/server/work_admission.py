@@ -9,7 +9,7 @@ teaches the model its speed). Everything runs on the event loop.
 
 Metrics: ``admission_refused{reason}``, ``work_estimated_seconds`` / ``work_actual_seconds`` /
 ``work_estimate_ratio`` (per completed request), ``queue_seconds``, ``admitted_work_seconds``,
-``seconds_per_speech_token{mode}`` and ``speech_text_ratio``. The access log line of a refused
+``admission_margin``, ``seconds_per_speech_token{mode}`` and ``speech_text_ratio``. The access log line of a refused
 request ends with the reason (``access_log.REASON_KEY``).
 """
 
@@ -140,6 +140,7 @@ class ServerWork:
     def publish(self) -> None:
         speed = self.policy.speed
         self.metrics.admitted_work.set(self.policy.work_ahead_s())
+        self.metrics.admission_margin.set(self.policy.margin_now())
         self.metrics.speech_text_ratio.set(speed.ratio)
         for streaming, mode in ((False, "whole"), (True, "streamed")):
             if speed.known(streaming):
