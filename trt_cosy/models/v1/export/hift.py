@@ -29,7 +29,7 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
-from ....builder.checkpoint import fold_weight_norm, load_strict, read_state_dict
+from ....builder.checkpoint import fold_weight_norm, load_checkpoint
 from ....builder.modules.hift import HiFTGenerator
 from ....builder.modules.hift_source import source_options
 from ....config import HiFTConfig
@@ -158,7 +158,6 @@ def build_hift_v1(config: HiFTConfig) -> HiFTGenerator:
 def load_hift_v1(model_dir: Path, config: HiFTConfig) -> HiFTGenerator:
     """Build the v1 generator and load ``<model_dir>/hift.pt`` (weight norm folded, strict)."""
     path = Path(model_dir) / _HIFT_FILE
-    hift = build_hift_v1(config)
-    load_strict(hift, fold_weight_norm(read_state_dict(path)), str(path))
+    hift = load_checkpoint(build_hift_v1(config), path, fold_weight_norm)
     _LOGGER.debug("v1 HiFT loaded from %s (%d Hz)", path, config.sampling_rate)
-    return hift.eval()
+    return hift

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ....builder.checkpoint import load_strict, read_state_dict
+from ....builder.checkpoint import load_checkpoint
 from ....builder.modules.flow_encoder import (
     ConformerLayer,
     LinearEmbed,
@@ -256,10 +256,9 @@ class TransformerLMGraph(nn.Module):
 def load_llm_v1(model_dir: Path, config: V1LLMConfig) -> TransformerLMV1:
     """Build ``TransformerLMV1`` from ``config`` and load ``<model_dir>/llm.pt`` strictly."""
     path = Path(model_dir) / _LLM_FILE
-    model = TransformerLMV1(config)
-    load_strict(model, read_state_dict(path), str(path))
+    model = load_checkpoint(TransformerLMV1(config), path)
     _LOGGER.debug("v1 LLM loaded from %s", path)
-    return model.eval()
+    return model
 
 
 def embedding_tables_v1(model: TransformerLMV1) -> dict[str, np.ndarray]:
