@@ -15,7 +15,7 @@ from typing import Final
 import numpy as np
 from torch.export import Dim
 
-from ....builder.export import ExportResult, GraphPlan, Progress, export_graph, graph_export_plan
+from ....builder.export import ExportResult, GraphPlan, Progress, export_graphs, graph_export_plan
 from ....runtime.model import LoadedModel
 from .. import graphs as graphs_v3
 from ..config import V3ModelConfig
@@ -89,17 +89,11 @@ def export_model_v3(
     model: LoadedModel, out_dir: Path, progress: Progress | None = None
 ) -> dict[str, ExportResult]:
     """Export every graph of ``graphs_v3.GRAPHS_V3`` from a v3 torch reference model to ``out_dir``."""
-    results = {}
-    for name, spec in graphs_v3.GRAPHS_V3.items():
-        plan = v3_graph_export_plan(name, model.config)
-        results[name] = export_graph(
-            spec,
-            model.runners[name].module,  # a TorchRunner's module
-            plan.sample,
-            Path(out_dir) / f"{name}.onnx",
-            plan.dynamic_shapes,
-            parity_inputs=plan.parity,
-            tolerance=V3_TOLERANCES[name],
-            progress=progress,
-        )
-    return results
+    return export_graphs(
+        model,
+        out_dir,
+        graphs_v3.GRAPHS_V3,
+        lambda name: v3_graph_export_plan(name, model.config),
+        V3_TOLERANCES.__getitem__,
+        progress,
+    )
