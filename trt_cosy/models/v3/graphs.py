@@ -25,6 +25,7 @@ from ...runtime.graphs import (
     LLM,
     GraphSpec,
     TensorSpec,
+    hift_outputs,
     incremental_estimator_spec,
 )
 
@@ -65,22 +66,14 @@ _HIFT_INPUTS: Final = (
 HIFT_V3: Final = GraphSpec(
     "hift",
     inputs=_HIFT_INPUTS,
-    outputs=(
-        TensorSpec("wav", "float32", (1, "480F")),
-        TensorSpec("source", "float32", (1, 1, "480F")),
-        TensorSpec("f0", "float32", (1, "F")),
-    ),
+    outputs=hift_outputs("480F", "480F", "F"),
 )
 
 # finalize=False: the last frames are look-ahead only; needs F >= 9.
 HIFT_V3_STREAM: Final = GraphSpec(
     "hift_stream",
     inputs=_HIFT_INPUTS,
-    outputs=(
-        TensorSpec("wav", "float32", (1, "480(F-8)")),
-        TensorSpec("source", "float32", (1, 1, "480(F-3)")),
-        TensorSpec("f0", "float32", (1, "F-3")),
-    ),
+    outputs=hift_outputs("480(F-8)", "480(F-3)", "F-3"),
 )
 HIFT_STREAM_MIN_FRAMES: Final = 9  # 3 f0 look-ahead + 4 conv_pre look-ahead + 1 dropped + 1 emitted
 
