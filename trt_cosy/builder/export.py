@@ -366,10 +366,8 @@ def hift_plan(hift: HiFTConfig, rng: np.random.Generator, rand_phase: bool = Fal
 
     def feed(frames: int, cached: int) -> dict[str, np.ndarray]:
         mel = rng.standard_normal((1, hift.in_channels, frames), dtype=np.float32) - 4.0  # [1, 80, F]
-        inputs = {
-            "mel": mel.astype(np.float32),
-            "sine_noise": rng.standard_normal((1, frames * hop, harmonics), dtype=np.float32),  # [1, hop F, 9]
-        }
+        noise = rng.standard_normal((1, frames * hop, harmonics), dtype=np.float32)  # [1, hop F, 9]
+        inputs = {"mel": mel.astype(np.float32), "sine_noise": noise}
         if rand_phase:
             inputs["rand_phase"] = rng.random((1, harmonics), dtype=np.float32)  # [1, 9]
         inputs["cache_source"] = 0.1 * rng.standard_normal((1, 1, cached), dtype=np.float32)  # [1, 1, S]
