@@ -15,7 +15,7 @@ from typing import Final
 import numpy as np
 from torch.export import Dim
 
-from ....builder.export import ExportResult, GraphPlan, Progress, export_graphs, graph_export_plan
+from ....builder.export import TOLERANCES, ExportResult, GraphPlan, Progress, export_graphs, graph_export_plan
 from ....runtime.model import LoadedModel
 from .. import graphs as graphs_v3
 from ..config import V3ModelConfig
@@ -24,15 +24,9 @@ __all__ = ["V3_TOLERANCES", "v3_graph_export_plan", "export_model_v3"]
 
 _LOGGER = logging.getLogger(__name__)
 
-# Scaled max error (see export.TOLERANCES): HiFT waveforms and f0 as for CosyVoice2.
-V3_TOLERANCES: Final = {
-    graphs_v3.LLM.name: 1e-4,
-    graphs_v3.FLOW_ENCODER_V3.name: 1e-4,
-    graphs_v3.FLOW_ESTIMATOR.name: 1e-4,
-    graphs_v3.FLOW_ESTIMATOR_STREAM.name: 1e-4,
-    graphs_v3.HIFT_V3.name: 1e-3,
-    graphs_v3.HIFT_V3_STREAM.name: 1e-3,
-}
+# Scaled max error: the CosyVoice2 ``TOLERANCES`` of the same graph names (HiFT waveforms and f0
+# as for CosyVoice2); the streaming HiFT as the whole one.
+V3_TOLERANCES: Final = {**TOLERANCES, graphs_v3.HIFT_V3_STREAM.name: TOLERANCES[graphs_v3.HIFT_V3.name]}
 
 
 def v3_graph_export_plan(name: str, config: V3ModelConfig, seed: int = 0) -> GraphPlan:
