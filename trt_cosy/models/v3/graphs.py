@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Final
 
 from ...runtime.graphs import (
+    FLOW_ENCODER,
     FLOW_ESTIMATOR,
     FLOW_ESTIMATOR_STREAM,
     LLM,
@@ -38,19 +39,12 @@ __all__ = [
     "HIFT_STREAM_MIN_FRAMES",
 ]
 
-# Token embedding + PreLookaheadLayer + repeat ×2 (mu) and the speaker affine layer.
+# Token embedding + PreLookaheadLayer + repeat ×2 (mu) and the speaker affine layer: the CosyVoice2
+# ``FLOW_ENCODER`` contract without its ``streaming`` input (no chunk masks to choose).
 FLOW_ENCODER_V3: Final = GraphSpec(
     "flow_encoder",
-    inputs=(
-        TensorSpec("tokens", "int64", (1, "N")),
-        TensorSpec("context", "int64", (1, 3)),
-        TensorSpec("context_valid", "float32", (1,)),
-        TensorSpec("embedding", "float32", (1, 192)),
-    ),
-    outputs=(
-        TensorSpec("mu", "float32", (1, 80, "2N")),
-        TensorSpec("spks", "float32", (1, 80)),
-    ),
+    inputs=tuple(spec for spec in FLOW_ENCODER.inputs if spec.name != "streaming"),
+    outputs=FLOW_ENCODER.outputs,
 )
 
 # One chunk-attention Euler step on the T new frames; P completed frames (a multiple of 50) as
