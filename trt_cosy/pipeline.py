@@ -220,14 +220,17 @@ class Request:
 
     def _schedule(self) -> HopSchedule:
         """Where the chunks of one segment fall (CosyVoice2 hops of ``schedule``, or one final chunk)."""
-        encoder = self.config.flow.encoder
         return hop_schedule(
             self.voice.speech_tokens.shape[0],
             self.stream,
-            encoder.static_chunk_size,
-            encoder.pre_lookahead_len,
+            self._chunk_tokens(),
+            self.config.flow.encoder.pre_lookahead_len,
             self.schedule,
         )
+
+    def _chunk_tokens(self) -> int:
+        """Speech tokens per streamed chunk: the flow encoder's ``static_chunk_size``."""
+        return self.config.flow.encoder.static_chunk_size
 
     def _new_state(self) -> VocoderCache:
         """The vocoder state of one segment (cache and cross-fade tail)."""

@@ -17,7 +17,7 @@ import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Self
 
 import numpy as np
 
@@ -39,14 +39,21 @@ _WAV_FORMAT: Final = "WAV"
 _OUTPUT_MODE: Final = 0o644  # mkstemp creates 0600 files; the output is an ordinary file
 
 
-def _from_dict(cls: type, raw: Mapping[str, Any]) -> Any:
-    if not isinstance(raw, Mapping):
-        raise InputError(f"{cls.__name__}.from_dict needs a mapping, got {type(raw).__name__}.")
-    known = {item.name for item in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise InputError(f"unknown {cls.__name__} fields {unknown}; known fields: {sorted(known)}.")
-    return cls(**raw)
+class _DictOptions:
+    """``to_dict`` and ``from_dict`` of an options dataclass; ``from_dict`` refuses unknown fields by name."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Self:
+        if not isinstance(raw, Mapping):
+            raise InputError(f"{cls.__name__}.from_dict needs a mapping, got {type(raw).__name__}.")
+        known = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise InputError(f"unknown {cls.__name__} fields {unknown}; known fields: {sorted(known)}.")
+        return cls(**raw)
 
 
 def _check_normalizer(engine: str | None) -> None:
@@ -55,7 +62,7 @@ def _check_normalizer(engine: str | None) -> None:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(_DictOptions):
     """Load-time options of ``CosyVoice.load``. ``None`` means the default."""
 
     threads: int | None = None
@@ -90,16 +97,9 @@ class EngineConfig:
             raise InputError(f"deterministic must be True, False or None, got {self.deterministic!r}.")
         _check_normalizer(self.normalizer)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> EngineConfig:
-        return _from_dict(cls, raw)
-
 
 @dataclass(frozen=True)
-class SynthesisConfig:
+class SynthesisConfig(_DictOptions):
     """Per-call options of ``CosyVoice.synthesize``. ``None`` means the model default."""
 
     max_text_tokens: int | None = None
@@ -150,13 +150,6 @@ class SynthesisConfig:
         if self.instruct is not None and (not isinstance(self.instruct, str) or not self.instruct.strip()):
             raise InputError(f"instruct must be a non-empty string or None, got {self.instruct!r}.")
         _check_normalizer(self.normalizer)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> SynthesisConfig:
-        return _from_dict(cls, raw)
 
 
 @dataclass(frozen=True, eq=False)

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from ..errors import ModelDirError
 
-__all__ = ["read_state_dict", "fold_weight_norm", "load_strict"]
+__all__ = ["read_state_dict", "fold_weight_norm", "load_strict", "load_checkpoint"]
 
 _LOGGER = logging.getLogger(__name__)
 _NEW_G = ".parametrizations.weight.original0"
 _NEW_V = ".parametrizations.weight.original1"
 _OLD_G = ".weight_g"
 _OLD_V = ".weight_v"
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -89,3 +92,17 @@ def load_strict(module: nn.Module, state: Mapping[str, torch.Tensor], source: st
         )
     module.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     _LOGGER.debug("loaded %d tensors from %s", len(state), source)
+
+
+def load_checkpoint(
+    module: M,
+    path: Path,
+    prepare: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> M:
+    """``module`` with the official checkpoint ``path`` loaded strictly (``prepare`` first rewrites its
+    state_dict: weight norm folded, unused keys dropped), in eval mode."""
+    state = read_state_dict(path)
+    if prepare is not None:
+        state = prepare(state)
+    load_strict(module, state, str(path))
+    return module.eval()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from ..config import ModelConfig
+from ..config import HiFTConfig, ModelConfig
 from ..errors import TrtCosyError
 from ..runtime import graphs
 from ..runtime.backends.onnxruntime.runner import OrtRunner
@@ -47,6 +47,8 @@ __all__ = [
     "export_graph",
     "graph_export_plan",
     "export_model",
+    "export_graphs",
+    "hift_plan",
     "onnx_io_specs",
 ]
 
@@ -353,17 +355,23 @@ def _estimator_plan(config: ModelConfig, rng: np.random.Generator) -> GraphPlan:
 
 
 def _hift_plan(config: ModelConfig, rng: np.random.Generator) -> GraphPlan:
-    hift = config.hift
+    return hift_plan(config.hift, rng)
+
+
+def hift_plan(hift: HiFTConfig, rng: np.random.Generator, rand_phase: bool = False) -> GraphPlan:
+    """The plan of a HiFT graph with a cached source (CosyVoice 1 and 2); ``rand_phase`` adds the
+    CosyVoice 1 ``SineGen``'s random initial phases."""
     hop = hift.samples_per_frame
     harmonics = hift.nb_harmonics + 1
 
     def feed(frames: int, cached: int) -> dict[str, np.ndarray]:
         mel = rng.standard_normal((1, hift.in_channels, frames), dtype=np.float32) - 4.0  # [1, 80, F]
-        return {
-            "mel": mel.astype(np.float32),
-            "sine_noise": rng.standard_normal((1, frames * hop, harmonics), dtype=np.float32),  # [1, 480F, 9]
-            "cache_source": 0.1 * rng.standard_normal((1, 1, cached), dtype=np.float32),  # [1, 1, S]
-        }
+        noise = rng.standard_normal((1, frames * hop, harmonics), dtype=np.float32)  # [1, hop F, 9]
+        inputs = {"mel": mel.astype(np.float32), "sine_noise": noise}
+        if rand_phase:
+            inputs["rand_phase"] = rng.random((1, harmonics), dtype=np.float32)  # [1, 9]
+        inputs["cache_source"] = 0.1 * rng.standard_normal((1, 1, cached), dtype=np.float32)  # [1, 1, S]
+        return inputs
 
     frames = Dim("F", min=1)
     dynamic = {"mel": {2: frames}, "sine_noise": {1: hop * frames}, "cache_source": {2: Dim("S", min=0)}}
@@ -374,17 +382,33 @@ def export_model(
     model: LoadedModel, out_dir: Path, progress: Progress | None = None
 ) -> dict[str, ExportResult]:
     """Export every graph of ``graphs.GRAPHS`` from a torch reference model to ``out_dir/<name>.onnx``."""
+    return export_graphs(
+        model, out_dir, graphs.GRAPHS, lambda name: graph_export_plan(name, model.config), progress=progress
+    )
+
+
+def export_graphs(
+    model: LoadedModel,
+    out_dir: Path,
+    specs: Mapping[str, GraphSpec],
+    plan_of: Callable[[str], GraphPlan],
+    tolerance_of: Callable[[str], float | None] = lambda name: None,
+    progress: Progress | None = None,
+) -> dict[str, ExportResult]:
+    """Export each graph of ``specs`` (any family's) from a torch reference model to ``out_dir/<name>.onnx``:
+    the module of its runner, fed ``plan_of(name)``, checked within ``tolerance_of(name)`` (None: the
+    ``export_graph`` default)."""
     results = {}
-    for name, spec in graphs.GRAPHS.items():
-        plan = graph_export_plan(name, model.config)
-        module = model.runners[name].module  # a TorchRunner's module
+    for name, spec in specs.items():
+        plan = plan_of(name)
         results[name] = export_graph(
             spec,
-            module,
+            model.runners[name].module,  # a TorchRunner's module
             plan.sample,
             Path(out_dir) / f"{name}.onnx",
             plan.dynamic_shapes,
             parity_inputs=plan.parity,
+            tolerance=tolerance_of(name),
             progress=progress,
         )
     return results

@@ -29,6 +29,8 @@ from typing import Any, Final, NamedTuple
 
 import numpy as np
 
+from ..runtime.run_scope import context_set
+
 ExportResult = Any  # builder.export.ExportResult (a frozen dataclass; not imported: export imports this)
 
 
@@ -53,11 +55,8 @@ def shared_exports(folder: Path) -> Iterator[Path]:
     """Within the block, each distinct export is made once and copied for later builds (kept in ``folder``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    token = _ACTIVE.set(folder)
-    try:
+    with context_set(_ACTIVE, folder):
         yield folder
-    finally:
-        _ACTIVE.reset(token)
 
 
 def _store() -> Path | None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..runtime.graphs import GraphSpec
+from ..runtime.model import LoadedModel
 
-__all__ = ["TorchRunner"]
+__all__ = ["TorchRunner", "torch_reference_model"]
 
 
 class TorchRunner:
@@ -39,3 +41,19 @@ class TorchRunner:
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         return {name: out.detach().cpu().numpy().copy() for name, out in zip(self.output_names, outputs, strict=True)}
+
+
+def torch_reference_model(
+    config: Any,
+    specs: Mapping[str, GraphSpec],
+    modules: Mapping[str, nn.Module],
+    llm_tables: dict[str, np.ndarray],
+    flow_noise: np.ndarray,
+    **extra: Any,
+) -> LoadedModel:
+    """The torch reference model of any family: each graph's module behind a ``TorchRunner`` of its
+    contract in ``specs``; ``extra``: further ``LoadedModel`` fields (CosyVoice3's ``hift_noise``)."""
+    runners = {name: TorchRunner(specs[name], module) for name, module in modules.items()}
+    return LoadedModel(
+        config=config, backend="torch", runners=runners, llm_tables=llm_tables, flow_noise=flow_noise, **extra
+    )

@@ -14,6 +14,7 @@ __all__ = [
     "TensorSpec",
     "GraphSpec",
     "GRAPHS",
+    "hift_outputs",
     "LLM",
     "LLM_BATCH",
     "FLOW_ENCODER",
@@ -152,6 +153,18 @@ def incremental_estimator_spec(channels: str | int, tail: int) -> GraphSpec:
 
 FLOW_ESTIMATOR_INCREMENTAL: Final = incremental_estimator_spec("C", 2)
 
+
+
+def hift_outputs(wav: str, source: str, f0: str) -> tuple[TensorSpec, ...]:
+    """The outputs of every family's HiFT graph: the waveform [1, wav], its NSF source [1, 1, source]
+    and the f0 [1, f0] (lengths as dim expressions of the mel frames F)."""
+    return (
+        TensorSpec("wav", "float32", (1, wav)),
+        TensorSpec("source", "float32", (1, 1, source)),
+        TensorSpec("f0", "float32", (1, f0)),
+    )
+
+
 # HiFT: f0 predictor, NSF source (noise injected), decoder, iSTFT. ``cache_source`` (length
 # S <= 480F, may be 0) overwrites the start of the generated source (streaming continuity).
 HIFT: Final = GraphSpec(
@@ -161,11 +174,7 @@ HIFT: Final = GraphSpec(
         TensorSpec("sine_noise", "float32", (1, "480F", 9)),
         TensorSpec("cache_source", "float32", (1, 1, "S")),
     ),
-    outputs=(
-        TensorSpec("wav", "float32", (1, "480F")),
-        TensorSpec("source", "float32", (1, 1, "480F")),
-        TensorSpec("f0", "float32", (1, "F")),
-    ),
+    outputs=hift_outputs("480F", "480F", "F"),
 )
 
 GRAPHS: Final = {g.name: g for g in (LLM, FLOW_ENCODER, FLOW_ESTIMATOR, FLOW_ESTIMATOR_STREAM, HIFT)}

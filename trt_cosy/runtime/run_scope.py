@@ -16,11 +16,23 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["RunScope", "RunCancelled", "current"]
+__all__ = ["RunScope", "RunCancelled", "current", "context_set"]
+
+T = TypeVar("T")
 
 _CURRENT: contextvars.ContextVar[RunScope | None] = contextvars.ContextVar("trt_cosy_run_scope", default=None)
+
+
+@contextlib.contextmanager
+def context_set(var: contextvars.ContextVar[T], value: T) -> Iterator[T]:
+    """``var`` is ``value`` within the block (this thread / context only), its earlier value after."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
 
 
 class RunCancelled(Exception):
@@ -64,11 +76,8 @@ class RunScope:
     @contextlib.contextmanager
     def active(self) -> Iterator[RunScope]:
         """Make this the scope of the graph runs made in the block (this thread / context only)."""
-        token = _CURRENT.set(self)
-        try:
+        with context_set(_CURRENT, self):
             yield self
-        finally:
-            _CURRENT.reset(token)
 
 
 def current() -> RunScope | None:

@@ -19,6 +19,8 @@ import time
 import uuid
 from typing import Final
 
+from .http_middleware import HTTPMiddleware
+
 __all__ = ["AccessLog", "REASON_KEY", "REQUEST_ID_HEADER", "request_id_of"]
 
 REASON_KEY = "trt_cosy.reason"
@@ -41,17 +43,11 @@ def request_id_of(scope) -> str:
     return uuid.uuid4().hex
 
 
-class AccessLog:
+class AccessLog(HTTPMiddleware):
     """ASGI middleware: logs client, method, path, status, body bytes sent, duration and request id of each
     request, and adds the ``x-request-id`` header to its answer (``scope["state"]["request_id"]``)."""
 
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope, receive, send) -> None:
         started = time.perf_counter()
         status, sent = 500, 0  # 500: the app raised before answering (the server error handler answers)
         request_id = request_id_of(scope)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from typing import Annotated
 
@@ -32,7 +31,7 @@ from .jobs import start_job
 from .speech import SynthesisResponse
 from .state import ServerState
 from .streaming_encoders import encode_file, open_encoder, streams_incrementally
-from .voices_api import _StrictFormRoute, save_recording
+from .voices_api import _StrictFormRoute, staged_recording
 
 __all__ = ["CONVERSIONS_PATH", "conversions_router"]
 
@@ -68,17 +67,10 @@ def conversions_router(state: ServerState) -> APIRouter:
             )
         target = state.store.get(voice).voice
         streaming = stream and streams_incrementally(response_format)
-        staging = await anyio.to_thread.run_sync(state.store.staging_dir, "conversion")
-        try:
-            path, seconds = await save_recording(
-                file,
-                settings.max_upload_bytes,
-                staging,
-                settings.max_source_seconds,
-                "the source",
-                "Send it in parts.",
-                _SOURCE_HINT,
-            )
+        recording = staged_recording(
+            state, file, "conversion", settings.max_source_seconds, "the source", "Send it in parts.", _SOURCE_HINT
+        )
+        async with recording as (path, seconds):
             # the official speed path stretches a whole window's mel: not streamed (as the speech route)
             config = SynthesisConfig(stream=streaming and speed == 1.0, speed=speed)
             try:  # reads and checks the source now (silent, too short...); tokenising is lazy
@@ -88,8 +80,6 @@ def conversions_router(state: ServerState) -> APIRouter:
             except InputError as exc:
                 message = str(exc).replace(str(path), "the uploaded file")
                 raise APIError(400, message, "invalid_audio", "file") from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         job, first, samples = await start_job(
             state,
             request,

@@ -10,6 +10,7 @@ import anyio
 from starlette.exceptions import HTTPException
 
 from .errors import RETRY_BUSY_S, APIError, error_bytes
+from .http_middleware import HTTPMiddleware
 from .metrics import Metrics
 
 __all__ = ["Admission", "Slot", "BodySizeLimit", "BodyTooLarge"]
@@ -95,7 +96,7 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body is larger than {limit} bytes.")
 
 
-class BodySizeLimit:
+class BodySizeLimit(HTTPMiddleware):
     """ASGI middleware: refuses a request body larger than ``limit_for(path)`` bytes with 413, the
     message ending with ``advice_for(path)`` (what to send instead).
 
@@ -110,15 +111,12 @@ class BodySizeLimit:
         on_refused: Callable[[str], None],
         advice_for: Callable[[str], str] = lambda path: "send less.",
     ):
-        self.app = app
+        super().__init__(app)
         self.limit_for = limit_for
         self.advice_for = advice_for
         self.on_refused = on_refused
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope, receive, send) -> None:
         limit = self.limit_for(scope.get("path", ""))
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:

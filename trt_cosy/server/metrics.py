@@ -14,6 +14,8 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from .http_middleware import HTTPMiddleware
+
 __all__ = ["Metrics", "MetricsMiddleware", "path_label", "exposition_for"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -119,17 +121,14 @@ def path_label(path: str) -> str:
     return "other"
 
 
-class MetricsMiddleware:
+class MetricsMiddleware(HTTPMiddleware):
     """ASGI middleware: counts every HTTP request and times it to its last body byte."""
 
     def __init__(self, app, metrics: Metrics):
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope, receive, send) -> None:
         started = time.perf_counter()
         path = path_label(scope.get("path", ""))
         status = [500]

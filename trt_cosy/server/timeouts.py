@@ -21,6 +21,7 @@ import anyio
 from starlette.exceptions import HTTPException
 
 from .errors import error_bytes
+from .http_middleware import HTTPMiddleware
 
 __all__ = ["BodyReadTimeout", "RequestTimeout", "header_timeout_protocol"]
 
@@ -41,7 +42,7 @@ class RequestTimeout(HTTPException):
         )
 
 
-class BodyReadTimeout:
+class BodyReadTimeout(HTTPMiddleware):
     """ASGI middleware: every ``receive()`` of an unfinished body must return within ``timeout_s``.
 
     Once the body is complete, ``receive()`` waits for the disconnect without a deadline (streamed
@@ -49,13 +50,10 @@ class BodyReadTimeout:
     """
 
     def __init__(self, app, timeout_s: float):
-        self.app = app
+        super().__init__(app)
         self.timeout_s = timeout_s
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope, receive, send) -> None:
         body_done = False
         timed_out = False
         started = False

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
 
@@ -139,6 +141,28 @@ async def save_recording(
     return path, seconds
 
 
+@contextlib.asynccontextmanager
+async def staged_recording(
+    state: ServerState,
+    upload: UploadFile,
+    kind: str,
+    max_seconds: float,
+    what: str,
+    advice: str,
+    hint: str = _VOICE_HINT,
+) -> AsyncIterator[tuple[Path, float]]:
+    """``save_recording`` of ``upload`` (at most ``max_upload_bytes``) in a fresh staging folder of the
+    voices store (``kind`` names it), removed when the block ends; a crash leaves it to
+    ``VoiceStore.load`` to clean."""
+    staging = await anyio.to_thread.run_sync(state.store.staging_dir, kind)
+    try:
+        yield await save_recording(
+            upload, state.settings.max_upload_bytes, staging, max_seconds, what, advice, hint
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 async def _save_upload(upload: UploadFile, limit: int, folder: Path, hint: str = _VOICE_HINT) -> Path:
     """Copy the upload to a private file in ``folder``, refusing more than ``limit`` bytes (413; the
     message asks for ``hint``)."""
@@ -196,17 +220,10 @@ def voices_router(state: ServerState) -> APIRouter:
                 check_text(text, "text")
             except InputError as exc:
                 raise APIError(400, str(exc), "invalid_text", "text") from None
-        # In the voices folder's own staging area: a crash leaves it to ``VoiceStore.load`` to clean.
-        staging = await anyio.to_thread.run_sync(state.store.staging_dir, "upload")
-        try:
-            path, _ = await save_recording(
-                file,
-                settings.max_upload_bytes,
-                staging,
-                settings.max_upload_seconds,
-                "the recording",
-                "Trim it to 3-10 s of clear speech.",
-            )
+        recording = staged_recording(
+            state, file, "upload", settings.max_upload_seconds, "the recording", "Trim it to 3-10 s of clear speech."
+        )
+        async with recording as (path, _):
             slot = await state.admission.acquire(settings.request_timeout_s)
             try:
                 voice = await anyio.to_thread.run_sync(state.tts.voice_from_wav, path, text)
@@ -218,8 +235,6 @@ def voices_router(state: ServerState) -> APIRouter:
                 await anyio.to_thread.run_sync(_prepare, state, voice)
             finally:
                 slot.release()
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         stored = await anyio.to_thread.run_sync(state.store.add, name, voice, overwrite)
         return JSONResponse(stored.describe(), status_code=201)
 

@@ -25,6 +25,7 @@ __all__ = [
     "run_flow",
     "run_hift",
     "golden_flow_stage",
+    "golden_flow_chunks",
     "greedy_outputs",
     "scenario_prompt",
     "teacher_forced_outputs",
@@ -123,9 +124,9 @@ def scenario_prompt(golden: GoldenSet, scenario: dict[str, Any]) -> tuple[np.nda
     return tokens, feat
 
 
-def _flow_chunks(model: LoadedModel, golden: GoldenSet):
-    """Yield (prefix, chunk meta, FlowOutput) for every chunk of every scenario."""
-    stage = golden_flow_stage(model, golden)
+def golden_flow_chunks(golden: GoldenSet, stage: FlowStage):
+    """Yield (scenario name, prefix, chunk meta, FlowOutput) for every chunk of every scenario through
+    ``stage`` (a ``golden_flow_stage``), the chunks of a scenario through one flow cache."""
     embedding = golden["in_spk_embedding"]
     for name, scenario in golden.flow_scenarios():
         prompt_tokens, prompt_feat = scenario_prompt(golden, scenario)
@@ -151,7 +152,7 @@ def run_flow(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) -> 
     ratio = model.config.token_mel_ratio
     caches: dict[str, VocoderCache] = {}
     pieces: dict[str, list[np.ndarray]] = {}
-    for name, prefix, chunk, output in _flow_chunks(model, golden):
+    for name, prefix, chunk, output in golden_flow_chunks(golden, golden_flow_stage(model, golden)):
         ours[prefix + "flow_mu"] = output.mu.transpose(0, 2, 1)  # [1, T, 80] as the golden stores it
         ours[prefix + "flow_mel"] = output.mel
         cache = caches.setdefault(name, VocoderCache())

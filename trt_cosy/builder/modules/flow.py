@@ -13,50 +13,59 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...config import FlowConfig
-from ..checkpoint import load_strict, read_state_dict
+from ..checkpoint import load_checkpoint
 from .flow_encoder import UpsampleConformerEncoder
 from .flow_estimator import CausalConditionalDecoder
 
-__all__ = ["CosyVoice2Flow", "load_flow", "FlowEncoderGraph", "EstimatorGraph"]
+__all__ = ["CFMWeights", "FlowWeights", "CosyVoice2Flow", "load_flow", "FlowEncoderGraph", "EstimatorGraph"]
 
 _LOGGER = logging.getLogger(__name__)
 
 FLOW_CHECKPOINT = "flow.pt"
 
 
-class _CFMWeights(nn.Module):
-    """Holds ``decoder.estimator`` (the official ``CausalConditionalCFM`` has no other weights)."""
+class CFMWeights(nn.Module):
+    """Holds ``decoder.estimator`` (the official ``ConditionalCFM`` / ``CausalConditionalCFM`` of every
+    family has no other weights)."""
 
-    def __init__(self, estimator: CausalConditionalDecoder):
+    def __init__(self, estimator: nn.Module):
         super().__init__()
         self.estimator = estimator
 
 
-class CosyVoice2Flow(nn.Module):
-    """Weights of the CosyVoice2 flow; built from the release config, loaded from ``flow.pt``."""
+class FlowWeights(nn.Module):
+    """What every family's flow starts with, under the official key names: its config, the speech token
+    ``input_embedding`` and the speaker ``spk_embed_affine_layer``; a family adds its encoder and
+    ``decoder`` (``CFMWeights``) after them."""
 
-    def __init__(self, config: FlowConfig):
+    def __init__(self, config: Any):
         super().__init__()
         self.config = config
         self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
         self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.output_size)
+
+
+class CosyVoice2Flow(FlowWeights):
+    """Weights of the CosyVoice2 flow; built from the release config, loaded from ``flow.pt``."""
+
+    def __init__(self, config: FlowConfig):
+        super().__init__(config)
         self.encoder = UpsampleConformerEncoder(config.encoder)
         self.encoder_proj = nn.Linear(config.encoder.output_size, config.output_size)
-        self.decoder = _CFMWeights(CausalConditionalDecoder(config.estimator))
+        self.decoder = CFMWeights(CausalConditionalDecoder(config.estimator))
 
 
 def load_flow(model_dir: Path, config: FlowConfig) -> CosyVoice2Flow:
     """Build the flow from ``config`` and load ``<model_dir>/flow.pt`` strictly (eval mode, fp32)."""
     path = Path(model_dir) / FLOW_CHECKPOINT
-    flow = CosyVoice2Flow(config)
-    load_strict(flow, read_state_dict(path), str(path))
-    return flow.eval()
+    return load_checkpoint(CosyVoice2Flow(config), path)
 
 
 class FlowEncoderGraph(nn.Module):

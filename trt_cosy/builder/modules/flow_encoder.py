@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ __all__ = [
     "rel_position_table",
     "chunk_attention_mask",
     "RelPositionAttention",
+    "PositionwiseFeedForward",
     "ConformerLayer",
     "PreLookaheadLayer",
     "UpsampleConv",
@@ -135,16 +137,18 @@ class RelPositionAttention(nn.Module):
         return self.linear_out(out.reshape(out.shape[0], length, -1))  # [B, T, D]
 
 
-class _FeedForward(nn.Module):
-    """``PositionwiseFeedForward`` with SiLU (swish): keys ``w_1``, ``w_2``."""
+class PositionwiseFeedForward(nn.Module):
+    """``PositionwiseFeedForward`` with ``activation`` between its layers (SiLU (swish) in the Conformer
+    layers, ReLU in CosyVoice 1's Transformer LM): keys ``w_1``, ``w_2``."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
         self.w_1 = nn.Linear(dim, hidden)
         self.w_2 = nn.Linear(hidden, dim)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(F.silu(self.w_1(x)))  # x: [B, T, D]
+        return self.w_2(self.activation(self.w_1(x)))  # x: [B, T, D]
 
 
 class ConformerLayer(nn.Module):
@@ -153,7 +157,7 @@ class ConformerLayer(nn.Module):
     def __init__(self, dim: int, heads: int, hidden: int):
         super().__init__()
         self.self_attn = RelPositionAttention(dim, heads)
-        self.feed_forward = _FeedForward(dim, hidden)
+        self.feed_forward = PositionwiseFeedForward(dim, hidden)
         self.norm_mha = nn.LayerNorm(dim, eps=_LAYER_LN_EPS)
         self.norm_ff = nn.LayerNorm(dim, eps=_LAYER_LN_EPS)
 

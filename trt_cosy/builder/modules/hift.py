@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import HiFTConfig
-from ..checkpoint import fold_weight_norm, load_strict, read_state_dict
+from ..checkpoint import fold_weight_norm, load_checkpoint
 from .hift_source import ConvISTFT, ConvSTFT, SourceModule, source_options
 
 __all__ = ["HiFTGenerator", "HiFTGraph", "load_hift"]
@@ -184,8 +184,6 @@ def _source_down_rates(upsample_rates: tuple[int, ...]) -> list[int]:
 def load_hift(model_dir: Path, config: HiFTConfig) -> HiFTGenerator:
     """Build the generator from ``config`` and load ``<model_dir>/hift.pt`` (weight norm folded)."""
     path = Path(model_dir) / "hift.pt"
-    state = fold_weight_norm(read_state_dict(path))
-    hift = HiFTGenerator(config)
-    load_strict(hift, state, str(path))
+    hift = load_checkpoint(HiFTGenerator(config), path, fold_weight_norm)
     _LOGGER.debug("HiFT loaded from %s (base channels %d)", path, config.base_channels)
-    return hift.eval()
+    return hift

@@ -19,7 +19,7 @@ from torch import nn
 
 from ...config import HiFTConfig
 
-__all__ = ["SourceModule", "source_options", "ConvSTFT", "ConvISTFT", "upsample_linear", "periodic_hann"]
+__all__ = ["HnNSFSource", "SourceModule", "source_options", "ConvSTFT", "ConvISTFT", "upsample_linear", "periodic_hann"]
 
 
 def periodic_hann(n_fft: int) -> np.ndarray:
@@ -61,7 +61,25 @@ def source_options(config: HiFTConfig) -> dict[str, Any]:
     )
 
 
-class SourceModule(nn.Module):
+class HnNSFSource(nn.Module):
+    """What ``SourceModuleHnNSF`` holds with either sine generator (v1 ``SineGen``, v2 ``SineGen2``):
+    the NSF settings, the harmonic numbers 1..H+1 and the harmonic merge ``l_linear`` (its only weights)."""
+
+    def __init__(
+        self, sampling_rate: int, harmonics: int, sine_amp: float, noise_std: float, voiced_threshold: float
+    ):
+        super().__init__()
+        self.sampling_rate = sampling_rate
+        self.sine_amp = sine_amp
+        self.noise_std = noise_std
+        self.voiced_threshold = voiced_threshold
+        self.register_buffer(
+            "harmonic_numbers", torch.arange(1, harmonics + 2, dtype=torch.float32), persistent=False
+        )
+        self.l_linear = nn.Linear(harmonics + 1, 1)
+
+
+class SourceModule(HnNSFSource):
     """``SourceModuleHnNSF`` + ``SineGen2``: f0 (frame rate) -> excitation (sample rate).
 
     State-dict keys: ``l_linear.{weight, bias}`` (the module is ``m_source`` in the generator).
@@ -76,16 +94,8 @@ class SourceModule(nn.Module):
         noise_std: float,
         voiced_threshold: float,
     ):
-        super().__init__()
-        self.sampling_rate = sampling_rate
+        super().__init__(sampling_rate, harmonics, sine_amp, noise_std, voiced_threshold)
         self.samples_per_frame = samples_per_frame
-        self.sine_amp = sine_amp
-        self.noise_std = noise_std
-        self.voiced_threshold = voiced_threshold
-        self.register_buffer(
-            "harmonic_numbers", torch.arange(1, harmonics + 2, dtype=torch.float32), persistent=False
-        )
-        self.l_linear = nn.Linear(harmonics + 1, 1)
 
     def frame_phase(self, f0: torch.Tensor) -> torch.Tensor:
         """Cumulative phase of every harmonic at frame rate, ``phase`` of the official ``_f02sine``.

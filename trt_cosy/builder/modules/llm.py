@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from torch import Tensor, nn
 
 from ...config import LLMConfig
-from ..checkpoint import load_strict, read_state_dict
+from ..checkpoint import load_checkpoint
 from .qwen2 import Qwen2Encoder, decode_layers
 
-__all__ = ["CosyVoice2LM", "LLMGraph", "load_llm", "embedding_tables"]
+__all__ = ["CosyVoice2LM", "LLMGraph", "load_llm", "load_speech_lm", "embedding_tables"]
 
 _LOGGER = logging.getLogger(__name__)
 _UNUSED_KEYS = ("llm.model.lm_head.weight",)  # tied to embed_tokens; the text head is never used
 _LLM_FILE = "llm.pt"
+
+LM = TypeVar("LM", bound=nn.Module)
 
 
 class CosyVoice2LM(nn.Module):
@@ -64,16 +67,23 @@ class LLMGraph(nn.Module):
         return logits, hidden, present_keys, present_values
 
 
+def load_speech_lm(model_dir: Path, model: LM) -> LM:
+    """``model`` (a speech LLM on the Qwen2 backbone: CosyVoice2 or CosyVoice3) with
+    ``<model_dir>/llm.pt`` loaded strictly, minus the tied text head."""
+    path = Path(model_dir) / _LLM_FILE
+
+    def drop_unused(state: dict[str, Tensor]) -> dict[str, Tensor]:
+        for key in _UNUSED_KEYS:
+            if state.pop(key, None) is not None:
+                _LOGGER.debug("dropped %s from %s (tied text head, never used)", key, path)
+        return state
+
+    return load_checkpoint(model, path, drop_unused)
+
+
 def load_llm(model_dir: Path, config: LLMConfig) -> CosyVoice2LM:
     """Build ``CosyVoice2LM`` from ``config`` and load ``<model_dir>/llm.pt`` strictly."""
-    path = Path(model_dir) / _LLM_FILE
-    state = read_state_dict(path)
-    for key in _UNUSED_KEYS:
-        if state.pop(key, None) is not None:
-            _LOGGER.debug("dropped %s from %s (tied text head, never used)", key, path)
-    model = CosyVoice2LM(config)
-    load_strict(model, state, str(path))
-    return model.eval()
+    return load_speech_lm(model_dir, CosyVoice2LM(config))
 
 
 def embedding_tables(model: CosyVoice2LM) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -99,27 +99,29 @@ def write_qwen_dir(root: Path, size: str, family: str = "v2") -> None:
 def write_checkpoints(
     root: Path,
     seed: int,
-    make_llm: Callable[[], nn.Module],
-    make_flow: Callable[[], nn.Module],
-    make_hift: Callable[[], nn.Module],
+    config: Any,
+    make_llm: Callable[[Any], nn.Module],
+    make_flow: Callable[[Any], nn.Module],
+    make_hift: Callable[[Any], nn.Module],
     *,
     tied_llm: bool,
 ) -> None:
-    """``llm.pt``, ``flow.pt`` and ``hift.pt`` of fresh random modules, each made right after seeding
-    torch with ``seed``, ``seed + 1`` and ``seed + 2``; HiFT's f0 predictor is calibrated and its
-    weight norm unfolded as the releases store it; the caller's torch RNG state is restored."""
+    """``llm.pt``, ``flow.pt`` and ``hift.pt`` of fresh random modules (``make_llm(config.llm)``,
+    ``make_flow(config.flow)``, ``make_hift(config.hift)``), each made right after seeding torch with
+    ``seed``, ``seed + 1`` and ``seed + 2``; HiFT's f0 predictor is calibrated and its weight norm
+    unfolded as the releases store it; the caller's torch RNG state is restored."""
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        llm = make_llm()
+        llm = make_llm(config.llm)
         if tied_llm:  # the Qwen2-based LLMs (v2, v3)
             save_tied_llm(llm, root / "llm.pt")
         else:
             save_state(llm.state_dict(), root / "llm.pt")
         torch.manual_seed(seed + 1)
-        save_state(make_flow().state_dict(), root / "flow.pt")
+        save_state(make_flow(config.flow).state_dict(), root / "flow.pt")
         torch.manual_seed(seed + 2)
-        hift = make_hift()
+        hift = make_hift(config.hift)
         calibrate_f0(hift, seed)
         save_state(unfold_weight_norm(hift.state_dict()), root / "hift.pt")
     finally:

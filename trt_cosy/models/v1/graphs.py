@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from ...runtime.graphs import FLOW_ESTIMATOR, LLM, GraphSpec, TensorSpec
+from ...runtime.graphs import FLOW_ESTIMATOR, LLM, GraphSpec, TensorSpec, hift_outputs
 
 __all__ = ["V1_TEXT_ENCODER", "V1_LLM", "V1_FLOW_ENCODER", "V1_FLOW_ESTIMATOR", "V1_HIFT", "V1_GRAPHS"]
 
@@ -70,11 +70,7 @@ V1_HIFT: Final = GraphSpec(
         TensorSpec("rand_phase", "float32", (1, 9)),
         TensorSpec("cache_source", "float32", (1, 1, "S")),
     ),
-    outputs=(
-        TensorSpec("wav", "float32", (1, "256F")),
-        TensorSpec("source", "float32", (1, 1, "256F")),
-        TensorSpec("f0", "float32", (1, "F")),
-    ),
+    outputs=hift_outputs("256F", "256F", "F"),
 )
 
 V1_GRAPHS: Final = {g.name: g for g in (V1_TEXT_ENCODER, V1_LLM, V1_FLOW_ENCODER, V1_FLOW_ESTIMATOR, V1_HIFT)}

@@ -20,11 +20,13 @@ from __future__ import annotations
 from typing import Final
 
 from ...runtime.graphs import (
+    FLOW_ENCODER,
     FLOW_ESTIMATOR,
     FLOW_ESTIMATOR_STREAM,
     LLM,
     GraphSpec,
     TensorSpec,
+    hift_outputs,
     incremental_estimator_spec,
 )
 
@@ -37,19 +39,12 @@ __all__ = [
     "HIFT_STREAM_MIN_FRAMES",
 ]
 
-# Token embedding + PreLookaheadLayer + repeat ×2 (mu) and the speaker affine layer.
+# Token embedding + PreLookaheadLayer + repeat ×2 (mu) and the speaker affine layer: the CosyVoice2
+# ``FLOW_ENCODER`` contract without its ``streaming`` input (no chunk masks to choose).
 FLOW_ENCODER_V3: Final = GraphSpec(
     "flow_encoder",
-    inputs=(
-        TensorSpec("tokens", "int64", (1, "N")),
-        TensorSpec("context", "int64", (1, 3)),
-        TensorSpec("context_valid", "float32", (1,)),
-        TensorSpec("embedding", "float32", (1, 192)),
-    ),
-    outputs=(
-        TensorSpec("mu", "float32", (1, 80, "2N")),
-        TensorSpec("spks", "float32", (1, 80)),
-    ),
+    inputs=tuple(spec for spec in FLOW_ENCODER.inputs if spec.name != "streaming"),
+    outputs=FLOW_ENCODER.outputs,
 )
 
 # One chunk-attention Euler step on the T new frames; P completed frames (a multiple of 50) as
@@ -65,22 +60,14 @@ _HIFT_INPUTS: Final = (
 HIFT_V3: Final = GraphSpec(
     "hift",
     inputs=_HIFT_INPUTS,
-    outputs=(
-        TensorSpec("wav", "float32", (1, "480F")),
-        TensorSpec("source", "float32", (1, 1, "480F")),
-        TensorSpec("f0", "float32", (1, "F")),
-    ),
+    outputs=hift_outputs("480F", "480F", "F"),
 )
 
 # finalize=False: the last frames are look-ahead only; needs F >= 9.
 HIFT_V3_STREAM: Final = GraphSpec(
     "hift_stream",
     inputs=_HIFT_INPUTS,
-    outputs=(
-        TensorSpec("wav", "float32", (1, "480(F-8)")),
-        TensorSpec("source", "float32", (1, 1, "480(F-3)")),
-        TensorSpec("f0", "float32", (1, "F-3")),
-    ),
+    outputs=hift_outputs("480(F-8)", "480(F-3)", "F-3"),
 )
 HIFT_STREAM_MIN_FRAMES: Final = 9  # 3 f0 look-ahead + 4 conv_pre look-ahead + 1 dropped + 1 emitted
 

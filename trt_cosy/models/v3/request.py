@@ -17,7 +17,7 @@ from ...pipeline import Request
 from ...stages.flow import FlowStage
 from ...stages.llm import LLMStage
 from ...stages.speed import stretch_mel
-from ...streaming import ChunkPlan, HopSchedule, hop_schedule
+from ...streaming import ChunkPlan
 from .stages import V3VocoderCache, V3VocoderStage, filter_silent_tokens
 
 __all__ = ["V3Stages", "V3Request"]
@@ -37,14 +37,9 @@ class V3Request(Request):
     def _decode(self, index: int) -> Iterator[int]:
         return filter_silent_tokens(super()._decode(index))
 
-    def _schedule(self) -> HopSchedule:
-        return hop_schedule(
-            self.voice.speech_tokens.shape[0],
-            self.stream,
-            self.config.chunk_size,
-            self.config.flow.encoder.pre_lookahead_len,
-            self.schedule,
-        )
+    def _chunk_tokens(self) -> int:
+        """Speech tokens per streamed chunk: the release's ``chunk_size`` (the DiT flow has no chunked encoder)."""
+        return self.config.chunk_size
 
     def _new_state(self) -> V3VocoderCache:
         return V3VocoderCache()

@@ -16,7 +16,7 @@ import numpy as np
 from ...runtime.model import LoadedModel
 from ...stages.llm import LLMStage
 from ...verify.golden import GoldenSet
-from ...verify.stages import golden_flow_stage, greedy_outputs, scenario_prompt, teacher_forced_outputs
+from ...verify.stages import golden_flow_chunks, golden_flow_stage, greedy_outputs, teacher_forced_outputs
 from . import graphs as graphs_v3
 from .stages import V3VocoderCache, V3VocoderStage, cached_step_outputs
 
@@ -72,29 +72,19 @@ def run_flow_v3(model: LoadedModel, golden: GoldenSet, skipped: dict[str, str]) 
     vocoder = _vocoder(model, golden)
     ratio = model.config.token_mel_ratio
     ours: dict[str, Any] = {}
-    for name, scenario in golden.flow_scenarios():
-        prompt_tokens, prompt_feat = scenario_prompt(golden, scenario)  # [1, P], [1, 2P, 80]
-        cache, pieces = V3VocoderCache(), []
-        flow_cache = flow.new_cache()  # incremental chunks where the engines have the graph, as a request
-        for index, chunk in enumerate(scenario["chunks"]):
-            prefix = f"{name}_c{index}_"
-            output = flow.token2mel(
-                golden[prefix + "flow_tokens"].astype(np.int64),
-                prompt_tokens,
-                prompt_feat,
-                golden["in_spk_embedding"],
-                streaming=bool(chunk["flow_streaming"]),
-                finalize=bool(chunk["flow_finalize"]),
-                cache=flow_cache,
-            )
-            mu = output.mu.transpose(0, 2, 1)  # [1, T, 80] as the golden stores it
-            ours[prefix + "flow_h"] = mu[:, ::ratio]  # mu is h repeated token_mel_ratio times
-            ours[prefix + "flow_mu"] = mu
-            ours[prefix + "flow_mel"] = output.mel
-            mel = output.mel[:, :, ratio * int(chunk["token_offset"]) :]  # [1, 80, new frames]
-            pieces.append(vocoder.render(mel, cache, final=bool(chunk["hift_finalize"])))  # [1, N]
-            ours[prefix + "hift_mel"] = cache.mel  # the whole mel so far, as HiFT got it
-        ours[f"{name}_wav"] = np.concatenate(pieces, axis=1)
+    caches: dict[str, V3VocoderCache] = {}
+    pieces: dict[str, list[np.ndarray]] = {}
+    for name, prefix, chunk, output in golden_flow_chunks(golden, flow):
+        mu = output.mu.transpose(0, 2, 1)  # [1, T, 80] as the golden stores it
+        ours[prefix + "flow_h"] = mu[:, ::ratio]  # mu is h repeated token_mel_ratio times
+        ours[prefix + "flow_mu"] = mu
+        ours[prefix + "flow_mel"] = output.mel
+        cache = caches.setdefault(name, V3VocoderCache())
+        mel = output.mel[:, :, ratio * int(chunk["token_offset"]) :]  # [1, 80, new frames]
+        pieces.setdefault(name, []).append(vocoder.render(mel, cache, final=bool(chunk["hift_finalize"])))
+        ours[prefix + "hift_mel"] = cache.mel  # the whole mel so far, as HiFT got it
+    for name, chunks in pieces.items():
+        ours[f"{name}_wav"] = np.concatenate(chunks, axis=1)  # [1, N]
     return ours
 
 

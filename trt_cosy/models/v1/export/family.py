@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ....builder.build_family import BuildFamily
-from ....builder.export import ExportResult, GraphPlan, Progress, export_graph
+from ....builder.export import ExportResult, GraphPlan, Progress, export_graphs
 from ....builder.quantize.policies import DATA_MAX, LOGITS, NORMS, STFT, PrecisionPolicy
 from ....builder.spk2info import SPK2INFO_FILE, read_spk2info, write_speakers
 from ....family_lookup import FAMILIES
@@ -64,22 +64,15 @@ class V1BuildFamily(BuildFamily):
         return export_plans_v1(config)[name]
 
     def export(self, model: LoadedModel, out_dir: Path, progress: Progress | None = None) -> dict[str, ExportResult]:
-        out_dir = Path(out_dir)
         plans = export_plans_v1(model.config)
-        results = {}
-        for name, spec in graphs_v1.V1_GRAPHS.items():
-            plan = plans[name]
-            results[name] = export_graph(
-                spec,
-                model.runners[name].module,  # a TorchRunner's module
-                plan.sample,
-                out_dir / f"{name}.onnx",
-                plan.dynamic_shapes,
-                parity_inputs=plan.parity,
-                tolerance=_V1_TOLERANCES.get(name, _V1_DEFAULT_TOLERANCE),
-                progress=progress,
-            )
-        return results
+        return export_graphs(
+            model,
+            out_dir,
+            graphs_v1.V1_GRAPHS,
+            plans.__getitem__,
+            lambda name: _V1_TOLERANCES.get(name, _V1_DEFAULT_TOLERANCE),
+            progress,
+        )
 
     def write_extra_data(self, model: LoadedModel, model_dir: Path, staging: Path) -> None:
         """The preset speakers of ``spk2info.pt`` (CosyVoice-300M-SFT/-Instruct), when the release has them."""

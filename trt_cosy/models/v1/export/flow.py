@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ....builder.checkpoint import load_strict, read_state_dict
+from ....builder.checkpoint import load_checkpoint
+from ....builder.modules.flow import CFMWeights, FlowWeights
 from ....builder.modules.flow_estimator import (
     TransformerBlock,
     _TimeMLP,
@@ -184,26 +185,15 @@ class ConditionalDecoder(nn.Module):
         return self.final_proj(h * mask) * mask  # [B, 80, T]
 
 
-class _CFMWeights(nn.Module):
-    """Holds ``decoder.estimator`` (the official ``ConditionalCFM`` has no other weights)."""
-
-    def __init__(self, estimator: ConditionalDecoder):
-        super().__init__()
-        self.estimator = estimator
-
-
-class MaskedDiffWithXvecV1(nn.Module):
+class MaskedDiffWithXvecV1(FlowWeights):
     """Weights of the v1 flow; built from the release config, loaded from ``flow.pt``."""
 
     def __init__(self, config: V1FlowConfig):
-        super().__init__()
-        self.config = config
-        self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
-        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.output_size)
+        super().__init__(config)
         self.encoder = ConformerEncoder(config.encoder, causal=config.encoder.static_chunk_size > 0)
         self.encoder_proj = nn.Linear(config.encoder.output_size, config.output_size)
         self.length_regulator = InterpolateRegulator(config.regulator_channels, config.regulator_stages)
-        self.decoder = _CFMWeights(ConditionalDecoder(config.estimator))
+        self.decoder = CFMWeights(ConditionalDecoder(config.estimator))
 
 
 class FlowEncoderGraphV1(nn.Module):
@@ -245,7 +235,6 @@ class EstimatorGraphV1(nn.Module):
 def load_flow_v1(model_dir: Path, config: V1FlowConfig) -> MaskedDiffWithXvecV1:
     """Build the v1 flow from ``config`` and load ``<model_dir>/flow.pt`` strictly (eval, fp32)."""
     path = Path(model_dir) / _FLOW_FILE
-    flow = MaskedDiffWithXvecV1(config)
-    load_strict(flow, read_state_dict(path), str(path))
+    flow = load_checkpoint(MaskedDiffWithXvecV1(config), path)
     _LOGGER.debug("v1 flow loaded from %s", path)
-    return flow.eval()
+    return flow

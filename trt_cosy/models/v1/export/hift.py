@@ -29,9 +29,9 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
-from ....builder.checkpoint import fold_weight_norm, load_strict, read_state_dict
+from ....builder.checkpoint import fold_weight_norm, load_checkpoint
 from ....builder.modules.hift import HiFTGenerator
-from ....builder.modules.hift_source import source_options
+from ....builder.modules.hift_source import HnNSFSource, source_options
 from ....config import HiFTConfig
 
 __all__ = ["MAX_EXACT_FRAMES", "SineGenSource", "HiFTGraphV1", "build_hift_v1", "load_hift_v1"]
@@ -45,7 +45,7 @@ _SPLIT: Final = 2.0**15  # in-frame step split: (j + 1) · high part is exact fo
 MAX_EXACT_FRAMES: Final = int(2**24 // (_LIMB + 1))  # limb sums stay below 2^24 (8188 frames)
 
 
-class SineGenSource(nn.Module):
+class SineGenSource(HnNSFSource):
     """``SourceModuleHnNSF`` + ``SineGen`` (v1): frame f0 -> excitation at sample rate. Key ``l_linear``."""
 
     def __init__(
@@ -57,21 +57,13 @@ class SineGenSource(nn.Module):
         voiced_threshold: float,
         samples_per_frame: int,
     ):
-        super().__init__()
         if samples_per_frame <= 0 or samples_per_frame & (samples_per_frame - 1) or samples_per_frame > 256:
             raise ValueError(f"samples_per_frame must be a power of two <= 256, got {samples_per_frame}")
-        self.sampling_rate = sampling_rate
-        self.sine_amp = sine_amp
-        self.noise_std = noise_std
-        self.voiced_threshold = voiced_threshold
+        super().__init__(sampling_rate, harmonics, sine_amp, noise_std, voiced_threshold)
         self.hop = samples_per_frame
-        self.register_buffer(
-            "harmonic_numbers", torch.arange(1, harmonics + 2, dtype=torch.float32), persistent=False
-        )
         self.register_buffer(
             "sample_counts", torch.arange(1, samples_per_frame + 1, dtype=torch.float32), persistent=False
         )
-        self.l_linear = nn.Linear(harmonics + 1, 1)
 
     def phases(self, rand_phase: Tensor) -> Tensor:
         """``Uniform(-π, π)`` from its uniform draw u [B, H] (float32 ``low + u · (high - low)``), fundamental 0."""
@@ -158,7 +150,6 @@ def build_hift_v1(config: HiFTConfig) -> HiFTGenerator:
 def load_hift_v1(model_dir: Path, config: HiFTConfig) -> HiFTGenerator:
     """Build the v1 generator and load ``<model_dir>/hift.pt`` (weight norm folded, strict)."""
     path = Path(model_dir) / _HIFT_FILE
-    hift = build_hift_v1(config)
-    load_strict(hift, fold_weight_norm(read_state_dict(path)), str(path))
+    hift = load_checkpoint(build_hift_v1(config), path, fold_weight_norm)
     _LOGGER.debug("v1 HiFT loaded from %s (%d Hz)", path, config.sampling_rate)
-    return hift.eval()
+    return hift

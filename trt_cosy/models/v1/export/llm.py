@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ....builder.checkpoint import load_strict, read_state_dict
+from ....builder.checkpoint import load_checkpoint
 from ....builder.modules.flow_encoder import (
     ConformerLayer,
     LinearEmbed,
+    PositionwiseFeedForward,
     RelPositionAttention,
     rel_position_table,
 )
@@ -143,25 +144,13 @@ class CachedRelAttention(RelPositionAttention):
         return self.linear_out(out.reshape(batch, length, -1)), keys, values  # [B, T, D]
 
 
-class _ReluFeedForward(nn.Module):
-    """``PositionwiseFeedForward`` with ReLU: keys ``w_1``, ``w_2``."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w_1 = nn.Linear(dim, hidden)
-        self.w_2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_2(F.relu(self.w_1(x)))  # x: [B, T, D]
-
-
 class TransformerLayer(nn.Module):
     """Pre-norm ``TransformerEncoderLayer`` (rel-pos attention, ReLU FFN): keys norm1, norm2."""
 
     def __init__(self, dim: int, heads: int, hidden: int):
         super().__init__()
         self.self_attn = CachedRelAttention(dim, heads)
-        self.feed_forward = _ReluFeedForward(dim, hidden)
+        self.feed_forward = PositionwiseFeedForward(dim, hidden, F.relu)
         self.norm1 = nn.LayerNorm(dim, eps=_LAYER_LN_EPS)
         self.norm2 = nn.LayerNorm(dim, eps=_LAYER_LN_EPS)
 
@@ -256,10 +245,9 @@ class TransformerLMGraph(nn.Module):
 def load_llm_v1(model_dir: Path, config: V1LLMConfig) -> TransformerLMV1:
     """Build ``TransformerLMV1`` from ``config`` and load ``<model_dir>/llm.pt`` strictly."""
     path = Path(model_dir) / _LLM_FILE
-    model = TransformerLMV1(config)
-    load_strict(model, read_state_dict(path), str(path))
+    model = load_checkpoint(TransformerLMV1(config), path)
     _LOGGER.debug("v1 LLM loaded from %s", path)
-    return model.eval()
+    return model
 
 
 def embedding_tables_v1(model: TransformerLMV1) -> dict[str, np.ndarray]:

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from ....builder.export import GraphPlan
-from ....builder.torch_runner import TorchRunner
+from ....builder.export import GraphPlan, hift_plan
+from ....builder.torch_runner import torch_reference_model
 from ....runtime.model import LoadedModel
 from .. import graphs as graphs_v1
 from ..config import V1ModelConfig, v1_config_from_release_dir
@@ -51,15 +51,8 @@ def load_torch_model_v1(model_dir: Path, threads: int | None = None) -> LoadedMo
     model_dir = Path(model_dir)
     config = v1_config_from_release_dir(model_dir)
     modules, tables = torch_graphs_v1(model_dir, config)
-    runners = {name: TorchRunner(graphs_v1.V1_GRAPHS[name], module) for name, module in modules.items()}
     _LOGGER.debug("loaded v1 torch reference model from %s", model_dir)
-    return LoadedModel(
-        config=config,
-        backend="torch",
-        runners=runners,
-        llm_tables=tables,
-        flow_noise=np.zeros((1, 80, 0), np.float32),
-    )
+    return torch_reference_model(config, graphs_v1.V1_GRAPHS, modules, tables, np.zeros((1, 80, 0), np.float32))
 
 
 def export_plans_v1(config: V1ModelConfig, seed: int = 0) -> dict[str, GraphPlan]:
@@ -74,7 +67,7 @@ def export_plans_v1(config: V1ModelConfig, seed: int = 0) -> dict[str, GraphPlan
         graphs_v1.V1_LLM.name: _llm_plan(config, rng),
         graphs_v1.V1_FLOW_ENCODER.name: _flow_encoder_plan(config, rng),
         graphs_v1.V1_FLOW_ESTIMATOR.name: _estimator_plan(config, rng),
-        graphs_v1.V1_HIFT.name: _hift_plan(config, rng),
+        graphs_v1.V1_HIFT.name: hift_plan(config.hift, rng, rand_phase=True),
     }
 
 
@@ -148,20 +141,3 @@ def _estimator_plan(config: V1ModelConfig, rng: np.random.Generator) -> GraphPla
     )
 
 
-def _hift_plan(config: V1ModelConfig, rng: np.random.Generator) -> GraphPlan:
-    hift = config.hift
-    hop = hift.samples_per_frame
-    sines = hift.nb_harmonics + 1
-
-    def feed(frames: int, cached: int) -> dict[str, np.ndarray]:
-        mel = rng.standard_normal((1, hift.in_channels, frames), dtype=np.float32) - 4.0  # [1, 80, F]
-        return {
-            "mel": mel.astype(np.float32),
-            "sine_noise": rng.standard_normal((1, frames * hop, sines), dtype=np.float32),  # [1, 256F, 9]
-            "rand_phase": rng.random((1, sines), dtype=np.float32),  # [1, 9]
-            "cache_source": 0.1 * rng.standard_normal((1, 1, cached), dtype=np.float32),  # [1, 1, S]
-        }
-
-    frames = Dim("F", min=1)
-    dynamic = {"mel": {2: frames}, "sine_noise": {1: hop * frames}, "cache_source": {2: Dim("S", min=0)}}
-    return GraphPlan(feed(12, 2 * hop), (feed(20, 0), feed(7, 3 * hop + 11)), dynamic)

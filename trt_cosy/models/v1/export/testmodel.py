@@ -43,12 +43,7 @@ def write_release_v1(root: Path, size: str, seed: int) -> None:
     (root / "cosyvoice.yaml").write_text(render_cosyvoice_yaml(sizes, size), encoding="utf-8")
     config = v1_config_from_release_dir(root)
     write_checkpoints(
-        root,
-        seed,
-        lambda: TransformerLMV1(config.llm),
-        lambda: MaskedDiffWithXvecV1(config.flow),
-        lambda: build_hift_v1(config.hift),
-        tied_llm=False,
+        root, seed, config, TransformerLMV1, MaskedDiffWithXvecV1, build_hift_v1, tied_llm=False
     )
     _write_spk2info(root / _SPK2INFO_FILE, seed)
     # The tokenizer's ids must fit the text embedding: the ranks, then whisper's specials.

@@ -11,7 +11,7 @@ from ....builder.modules.flow import EstimatorGraph, FlowEncoderGraph, load_flow
 from ....builder.modules.hift import HiFTGraph, load_hift
 from ....builder.modules.llm import LLMGraph, embedding_tables, load_llm
 from ....builder.noise import official_flow_noise
-from ....builder.torch_runner import TorchRunner
+from ....builder.torch_runner import torch_reference_model
 from ....runtime import graphs
 from ....runtime.model import LoadedModel
 from ..config import v2_config_from_release_dir
@@ -30,20 +30,13 @@ def load_torch_model_v2(model_dir: Path, threads: int | None = None) -> LoadedMo
     llm = load_llm(model_dir, config.llm)
     flow = load_flow(model_dir, config.flow)
     hift = load_hift(model_dir, config.hift)
-    runners = {
-        graphs.LLM.name: TorchRunner(graphs.LLM, LLMGraph(llm)),
-        graphs.FLOW_ENCODER.name: TorchRunner(graphs.FLOW_ENCODER, FlowEncoderGraph(flow)),
-        graphs.FLOW_ESTIMATOR.name: TorchRunner(graphs.FLOW_ESTIMATOR, EstimatorGraph(flow, streaming=False)),
-        graphs.FLOW_ESTIMATOR_STREAM.name: TorchRunner(
-            graphs.FLOW_ESTIMATOR_STREAM, EstimatorGraph(flow, streaming=True)
-        ),
-        graphs.HIFT.name: TorchRunner(graphs.HIFT, HiFTGraph(hift)),
+    modules = {
+        graphs.LLM.name: LLMGraph(llm),
+        graphs.FLOW_ENCODER.name: FlowEncoderGraph(flow),
+        graphs.FLOW_ESTIMATOR.name: EstimatorGraph(flow, streaming=False),
+        graphs.FLOW_ESTIMATOR_STREAM.name: EstimatorGraph(flow, streaming=True),
+        graphs.HIFT.name: HiFTGraph(hift),
     }
     _LOGGER.debug("loaded torch reference model from %s", model_dir)
-    return LoadedModel(
-        config=config,
-        backend="torch",
-        runners=runners,
-        llm_tables=embedding_tables(llm),
-        flow_noise=official_flow_noise(config.flow.cfm.noise_frames),
-    )
+    flow_noise = official_flow_noise(config.flow.cfm.noise_frames)
+    return torch_reference_model(config, graphs.GRAPHS, modules, embedding_tables(llm), flow_noise)

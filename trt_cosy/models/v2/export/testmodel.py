@@ -23,14 +23,7 @@ def write_release_v2(root: Path, size: str, seed: int) -> None:
     write_qwen_dir(root, size)
     config = v2_config_from_release_dir(root)
 
-    write_checkpoints(
-        root,
-        seed,
-        lambda: CosyVoice2LM(config.llm),
-        lambda: CosyVoice2Flow(config.flow),
-        lambda: HiFTGenerator(config.hift),
-        tied_llm=True,
-    )
+    write_checkpoints(root, seed, config, CosyVoice2LM, CosyVoice2Flow, HiFTGenerator, tied_llm=True)
     rng = np.random.default_rng(seed)
     write_standin_campplus(root / "campplus.onnx", rng)
     write_standin_speech_tokenizer(root / "speech_tokenizer_v2.onnx", rng)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....builder.checkpoint import fold_weight_norm, load_strict, read_state_dict
+from ....builder.checkpoint import fold_weight_norm, load_checkpoint
 from ....builder.modules.hift import ResBlock, _source_down_rates
 from ....builder.modules.hift_source import ConvISTFT, ConvSTFT, SourceModule, source_options
 from ..config import CausalHiFTConfig
@@ -245,8 +245,6 @@ def _with_f0_predictor(hift: CausalHiFTGenerator, predictor: CausalF0Predictor) 
 def load_causal_hift(model_dir: Path, config: CausalHiFTConfig) -> CausalHiFTGenerator:
     """Build the generator from ``config`` and load ``<model_dir>/hift.pt`` (weight norm folded)."""
     path = Path(model_dir) / "hift.pt"
-    state = fold_weight_norm(read_state_dict(path))
-    hift = CausalHiFTGenerator(config)
-    load_strict(hift, state, str(path))
+    hift = load_checkpoint(CausalHiFTGenerator(config), path, fold_weight_norm)
     _LOGGER.debug("CausalHiFT loaded from %s (base channels %d)", path, config.base_channels)
-    return hift.eval()
+    return hift

@@ -15,7 +15,7 @@ from typing import Final
 import numpy as np
 from torch.export import Dim
 
-from ....builder.export import ExportResult, GraphPlan, Progress, export_graph, graph_export_plan
+from ....builder.export import TOLERANCES, ExportResult, GraphPlan, Progress, export_graphs, graph_export_plan
 from ....runtime.model import LoadedModel
 from .. import graphs as graphs_v3
 from ..config import V3ModelConfig
@@ -24,15 +24,9 @@ __all__ = ["V3_TOLERANCES", "v3_graph_export_plan", "export_model_v3"]
 
 _LOGGER = logging.getLogger(__name__)
 
-# Scaled max error (see export.TOLERANCES): HiFT waveforms and f0 as for CosyVoice2.
-V3_TOLERANCES: Final = {
-    graphs_v3.LLM.name: 1e-4,
-    graphs_v3.FLOW_ENCODER_V3.name: 1e-4,
-    graphs_v3.FLOW_ESTIMATOR.name: 1e-4,
-    graphs_v3.FLOW_ESTIMATOR_STREAM.name: 1e-4,
-    graphs_v3.HIFT_V3.name: 1e-3,
-    graphs_v3.HIFT_V3_STREAM.name: 1e-3,
-}
+# Scaled max error: the CosyVoice2 ``TOLERANCES`` of the same graph names (HiFT waveforms and f0
+# as for CosyVoice2); the streaming HiFT as the whole one.
+V3_TOLERANCES: Final = {**TOLERANCES, graphs_v3.HIFT_V3_STREAM.name: TOLERANCES[graphs_v3.HIFT_V3.name]}
 
 
 def v3_graph_export_plan(name: str, config: V3ModelConfig, seed: int = 0) -> GraphPlan:
@@ -89,17 +83,11 @@ def export_model_v3(
     model: LoadedModel, out_dir: Path, progress: Progress | None = None
 ) -> dict[str, ExportResult]:
     """Export every graph of ``graphs_v3.GRAPHS_V3`` from a v3 torch reference model to ``out_dir``."""
-    results = {}
-    for name, spec in graphs_v3.GRAPHS_V3.items():
-        plan = v3_graph_export_plan(name, model.config)
-        results[name] = export_graph(
-            spec,
-            model.runners[name].module,  # a TorchRunner's module
-            plan.sample,
-            Path(out_dir) / f"{name}.onnx",
-            plan.dynamic_shapes,
-            parity_inputs=plan.parity,
-            tolerance=V3_TOLERANCES[name],
-            progress=progress,
-        )
-    return results
+    return export_graphs(
+        model,
+        out_dir,
+        graphs_v3.GRAPHS_V3,
+        lambda name: v3_graph_export_plan(name, model.config),
+        V3_TOLERANCES.__getitem__,
+        progress,
+    )

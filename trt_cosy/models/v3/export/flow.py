@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....builder.checkpoint import load_strict, read_state_dict
-from ....builder.modules.flow import EstimatorGraph
+from ....builder.checkpoint import load_checkpoint
+from ....builder.modules.flow import CFMWeights, EstimatorGraph, FlowWeights
 from ....builder.modules.flow_encoder import PreLookaheadLayer
 from ..config import PreLookaheadConfig, V3FlowConfig
 from .dit import DiT
@@ -46,32 +46,19 @@ class V3PreLookaheadLayer(PreLookaheadLayer):
         self.conv2 = nn.Conv1d(config.channels, config.in_channels, kernel_size=3)
 
 
-class _CFMWeights(nn.Module):
-    """Holds ``decoder.estimator`` (the official ``CausalConditionalCFM`` has no other weights)."""
-
-    def __init__(self, estimator: DiT):
-        super().__init__()
-        self.estimator = estimator
-
-
-class CosyVoice3Flow(nn.Module):
+class CosyVoice3Flow(FlowWeights):
     """Weights of the CosyVoice3 flow; built from the release config, loaded from ``flow.pt``."""
 
     def __init__(self, config: V3FlowConfig):
-        super().__init__()
-        self.config = config
-        self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
-        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.output_size)
+        super().__init__(config)
         self.pre_lookahead_layer = V3PreLookaheadLayer(config.encoder)
-        self.decoder = _CFMWeights(DiT(config.estimator))
+        self.decoder = CFMWeights(DiT(config.estimator))
 
 
 def load_flow_v3(model_dir: Path, config: V3FlowConfig) -> CosyVoice3Flow:
     """Build the flow from ``config`` and load ``<model_dir>/flow.pt`` strictly (eval mode, fp32)."""
     path = Path(model_dir) / FLOW_CHECKPOINT
-    flow = CosyVoice3Flow(config)
-    load_strict(flow, read_state_dict(path), str(path))
-    return flow.eval()
+    return load_checkpoint(CosyVoice3Flow(config), path)
 
 
 class V3FlowEncoderGraph(nn.Module):

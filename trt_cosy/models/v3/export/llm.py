@@ -9,23 +9,17 @@ so that the CosyVoice2 ``LLMStage`` runs v3 as is (``llm_embedding`` = [sos row,
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
 from torch import nn
 
-from ....builder.checkpoint import load_strict, read_state_dict
-from ....builder.modules.llm import LLMGraph
+from ....builder.modules.llm import LLMGraph, load_speech_lm
 from ....builder.modules.qwen2 import Qwen2Encoder
 from ....config import LLMConfig
 from ..config import V3_SOS_OFFSET, V3_TASK_OFFSET
 
 __all__ = ["CosyVoice3LM", "load_llm_v3", "embedding_tables_v3", "LLMGraph"]
-
-_LOGGER = logging.getLogger(__name__)
-_UNUSED_KEYS = ("llm.model.lm_head.weight",)  # tied to embed_tokens; the text head is never used
-_LLM_FILE = "llm.pt"
 
 
 class CosyVoice3LM(nn.Module):
@@ -46,14 +40,7 @@ class CosyVoice3LM(nn.Module):
 
 def load_llm_v3(model_dir: Path, config: LLMConfig) -> CosyVoice3LM:
     """Build ``CosyVoice3LM`` from ``config`` and load ``<model_dir>/llm.pt`` strictly."""
-    path = Path(model_dir) / _LLM_FILE
-    state = read_state_dict(path)
-    for key in _UNUSED_KEYS:
-        if state.pop(key, None) is not None:
-            _LOGGER.debug("dropped %s from %s (tied text head, never used)", key, path)
-    model = CosyVoice3LM(config)
-    load_strict(model, state, str(path))
-    return model.eval()
+    return load_speech_lm(model_dir, CosyVoice3LM(config))
 
 
 def embedding_tables_v3(model: CosyVoice3LM) -> dict[str, np.ndarray]:

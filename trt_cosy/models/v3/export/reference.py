@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ....builder.noise import NOISE_FRAMES, NOISE_SEED, official_flow_noise
-from ....builder.torch_runner import TorchRunner
+from ....builder.torch_runner import torch_reference_model
 from ....runtime.model import LoadedModel
 from .. import graphs as graphs_v3
 from ..config import V3ModelConfig, v3_config_from_release_dir
@@ -96,13 +96,12 @@ def load_torch_model_v3(
         graphs_v3.HIFT_V3.name: CausalHiFTGraph(hift, finalize=True, f0_float64=f0_float64),
         graphs_v3.HIFT_V3_STREAM.name: CausalHiFTGraph(hift, finalize=False, f0_float64=f0_float64),
     }
-    runners = {name: TorchRunner(specs[name], module) for name, module in modules.items()}
     _LOGGER.debug("loaded torch reference CosyVoice3 model from %s", model_dir)
-    return LoadedModel(
-        config=config,
-        backend="torch",
-        runners=runners,
-        llm_tables=embedding_tables_v3(llm),
-        flow_noise=official_flow_noise(config.flow.cfm.noise_frames),
+    return torch_reference_model(
+        config,
+        specs,
+        modules,
+        embedding_tables_v3(llm),
+        official_flow_noise(config.flow.cfm.noise_frames),
         hift_noise=official_hift_noise(config, hift_noise_seconds),
     )

@@ -28,14 +28,7 @@ def write_release_v3(root: Path, size: str, seed: int) -> None:
     (root / "cosyvoice3.yaml").write_text(render_cosyvoice3_yaml(sizes, size), encoding="utf-8")
     write_qwen_dir(root, size, family="v3")
     config = v3_config_from_release_dir(root)
-    write_checkpoints(
-        root,
-        seed,
-        lambda: CosyVoice3LM(config.llm),
-        lambda: CosyVoice3Flow(config.flow),
-        lambda: CausalHiFTGenerator(config.hift),
-        tied_llm=True,
-    )
+    write_checkpoints(root, seed, config, CosyVoice3LM, CosyVoice3Flow, CausalHiFTGenerator, tied_llm=True)
     rng = np.random.default_rng(seed)
     write_standin_campplus(root / "campplus.onnx", rng)
     write_standin_speech_tokenizer(
