@@ -7,24 +7,17 @@ from pathlib import Path
 
 import click
 
-from .options import (
-    engine_options,
-    load_tts,
-    output_options,
-    ref_option,
-    speaker_option,
-    voice_choice,
-    voice_file_option,
-)
-from .say import _preset_voice, _SynthesisProgress, _write_interruptibly
+from .options import chosen_voice, engine_options, load_tts, output_options, voice_choice, voice_options
+from .say import _SynthesisProgress, _write_interruptibly
 
 
 @click.command()
 @click.argument("source_wav", type=click.Path(dir_okay=False, path_type=Path))
 @engine_options
-@ref_option("Reference recording of the target voice (1-30 s): the official VC prompt.")
-@voice_file_option
-@speaker_option("A preset speaker (CosyVoice-300M-SFT/-Instruct).")
+@voice_options(
+    "Reference recording of the target voice (1-30 s): the official VC prompt.",
+    "A preset speaker (CosyVoice-300M-SFT/-Instruct).",
+)
 @output_options
 @click.option("--stream", is_flag=True, help="Stream: write audio while it is generated.")
 def convert(
@@ -59,10 +52,7 @@ def convert(
     )
     config = SynthesisConfig(stream=stream)
     tts = load_tts(engines, model_dir, source, threads, precision, quiet=quiet, backend=backend)
-    if ref is not None:
-        voice = tts.vc_voice_from_wav(ref)
-    elif speaker is not None:
-        voice = _preset_voice(tts, speaker)
+    voice = chosen_voice(tts, voice, ref, speaker, tts.vc_voice_from_wav)
     chunks = tts.convert(source_wav, voice, seed=seed, config=config)  # the source is checked here
     progress = _SynthesisProgress(stream=stream, quiet=quiet)
     _write_interruptibly(chunks, out, tts.sample_rate, None, progress)

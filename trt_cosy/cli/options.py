@@ -184,6 +184,37 @@ quiet_option = click.option(
 )
 
 
+def voice_options(ref_help: str, speaker_help: str):
+    """``--ref``, ``--voice`` and ``--speaker``: one of them names the voice (``voice_choice``)."""
+
+    def apply(command):
+        for option in (speaker_option(speaker_help), voice_file_option, ref_option(ref_help)):
+            command = option(command)
+        return command
+
+    return apply
+
+
+def chosen_voice(tts, stored, ref: Path | None, speaker: str | None, from_ref):
+    """The voice the options named, once the engines are loaded: ``from_ref(ref)`` for ``--ref``, the
+    preset ``speaker`` (an error in command-line terms when the model has none or not that one), else
+    ``stored`` (``voice_choice``'s ``--voice``)."""
+    if ref is not None:
+        return from_ref(ref)
+    if speaker is None:
+        return stored
+    from ..errors import InputError
+
+    if not tts.speakers:
+        raise InputError(
+            f"this model has no preset speakers (only CosyVoice-300M-SFT and -Instruct have them), so "
+            f"--speaker {speaker} cannot be used; use --ref ref.wav [--ref-text ...] or --voice voice.npz."
+        )
+    if speaker not in tts.speakers:
+        raise InputError(f"unknown speaker {speaker!r}; this model has: {', '.join(tts.speakers)}.")
+    return tts.preset_voice(speaker)
+
+
 def output_options(command):
     """``-o/--out``, ``--seed`` and ``-q/--quiet`` (``say``, ``convert``)."""
     for option in (quiet_option, seed_option, out_option):

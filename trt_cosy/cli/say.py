@@ -8,24 +8,24 @@ from pathlib import Path
 import click
 
 from .options import (
+    chosen_voice,
     echo_progress,
     engine_options,
     load_tts,
     output_options,
-    ref_option,
-    speaker_option,
     voice_choice,
-    voice_file_option,
+    voice_options,
 )
 
 
 @click.command()
 @click.argument("text")
 @engine_options
-@ref_option("Reference recording of the voice (1-30 s).")
+@voice_options(
+    "Reference recording of the voice (1-30 s).",
+    "A preset speaker (CosyVoice-300M-SFT/-Instruct; see `trt-cosy voices list`).",
+)
 @click.option("--ref-text", default=None, help="Transcript of --ref (zero-shot); without it: cross-lingual.")
-@voice_file_option
-@speaker_option("A preset speaker (CosyVoice-300M-SFT/-Instruct; see `trt-cosy voices list`).")
 @click.option(
     "--instruct",
     default=None,
@@ -67,10 +67,7 @@ def say(
         raise click.UsageError("--ref-text goes with --ref.")
     config = SynthesisConfig(stream=stream, instruct=instruct)
     tts = load_tts(engines, model_dir, source, threads, precision, quiet=quiet, backend=backend)
-    if ref is not None:
-        voice = tts.voice_from_wav(ref, ref_text)
-    elif speaker is not None:
-        voice = _preset_voice(tts, speaker)
+    voice = chosen_voice(tts, voice, ref, speaker, lambda path: tts.voice_from_wav(path, ref_text))
     chunks = tts.synthesize(text, voice, seed=seed, config=config)
     player = AudioPlayer.open(tts.sample_rate) if play else None
     if play and player is None:
@@ -85,20 +82,6 @@ def say(
     if player is not None:
         player.close()  # until everything was played
     click.echo(f"wrote {out}")
-
-
-def _preset_voice(tts, name: str):
-    """``tts``'s preset speaker ``name``, or an error in command-line terms."""
-    from ..errors import InputError
-
-    if not tts.speakers:
-        raise InputError(
-            f"this model has no preset speakers (only CosyVoice-300M-SFT and -Instruct have them), so "
-            f"--speaker {name} cannot be used; use --ref ref.wav [--ref-text ...] or --voice voice.npz."
-        )
-    if name not in tts.speakers:
-        raise InputError(f"unknown speaker {name!r}; this model has: {', '.join(tts.speakers)}.")
-    return tts.preset_voice(name)
 
 
 _PROGRESS_AFTER_S = 2.0  # synthesis shorter than this prints no progress (unless --stream)
@@ -123,14 +106,18 @@ class _SynthesisProgress:
             return
         part = f", chunk {chunk.index + 1}" if self.stream else ""
         first = f"first audio {t['first_audio_s']:.2f} s, " if self.stream else ""
-        self._line(f"{self.where}{part}: {self.audio_s:.2f} s of audio so far "
-                   f"({first}elapsed {t['elapsed_s']:.2f} s, RTF {t['rtf']:.2f})")
+        self._line(
+            f"{self.where}{part}: {self.audio_s:.2f} s of audio so far "
+            f"({first}elapsed {t['elapsed_s']:.2f} s, RTF {t['rtf']:.2f})"
+        )
 
     def waiting(self) -> None:
         now = self._clock()
         if not self.quiet and now - self.last_line >= _HEARTBEAT_S:
-            self._line(f"still synthesising ({self.where}, {self.audio_s:.2f} s of audio so far, "
-                       f"elapsed {now - self.started:.0f} s)")
+            self._line(
+                f"still synthesising ({self.where}, {self.audio_s:.2f} s of audio so far, "
+                f"elapsed {now - self.started:.0f} s)"
+            )
 
     def _line(self, message: str) -> None:
         self.last_line = self._clock()
