@@ -9,13 +9,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..runtime.backends.base import NamesFrom
 from ..runtime.graphs import GraphSpec
 from ..runtime.model import LoadedModel
 
 __all__ = ["TorchRunner", "torch_reference_model"]
 
 
-class TorchRunner:
+class TorchRunner(NamesFrom):
     """Calls ``module(*inputs in contract order)`` and names the outputs by the contract.
 
     Outputs are fresh numpy arrays owned by the caller.
@@ -24,15 +25,8 @@ class TorchRunner:
     def __init__(self, spec: GraphSpec, module: nn.Module):
         self.name = spec.name
         self.spec = spec
+        self._names = spec  # input_names / output_names (NamesFrom)
         self.module = module.eval()
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self.spec.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self.spec.output_names
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         args = [torch.from_numpy(np.ascontiguousarray(feed[name])) for name in self.input_names]

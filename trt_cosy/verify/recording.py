@@ -6,12 +6,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..runtime.backends.base import Runner
+from ..runtime.backends.base import NamesFrom, Runner
 
 __all__ = ["RecordingRunner"]
 
 
-class RecordingRunner:
+class RecordingRunner(NamesFrom):
     """Wraps a runner; keeps its last feed and outputs, and the last-position logits of every call.
 
     ``last_logits`` are the rows of ``llm_greedy_logits`` when wrapped around an LLM runner.
@@ -19,18 +19,11 @@ class RecordingRunner:
 
     def __init__(self, inner: Runner):
         self.inner = inner
+        self._names = inner  # input_names / output_names (NamesFrom)
         self.name = inner.name
         self.feed: dict[str, np.ndarray] = {}
         self.outputs: dict[str, np.ndarray] = {}
         self.last_logits: list[np.ndarray] = []
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self.inner.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self.inner.output_names
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.feed = dict(feed)

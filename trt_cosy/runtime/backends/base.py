@@ -30,6 +30,7 @@ __all__ = [
     "GraphRunner",
     "KVDecoder",
     "LazyRunner",
+    "NamesFrom",
     "InputSpecs",
     "cast_input",
     "check_feed",
@@ -105,7 +106,22 @@ def check_feed(graph: str, inputs: Iterable[str], feed: Mapping[str, np.ndarray]
         )
 
 
-class LazyRunner(Generic[RunnerT]):
+class NamesFrom:
+    """``input_names`` / ``output_names`` of a runner that takes them from another object, ``_names``
+    (anything with both: a graph spec, a TensorRT plan's I/O, the runner it wraps or defers)."""
+
+    _names: Any
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self._names.input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self._names.output_names
+
+
+class LazyRunner(NamesFrom, Generic[RunnerT]):
     """The lazily created runner of graph ``name``; subclasses implement ``_create``."""
 
     def __init__(self, name: str):
@@ -133,12 +149,8 @@ class LazyRunner(Generic[RunnerT]):
             return self._runner
 
     @property
-    def input_names(self) -> tuple[str, ...]:
-        return self.load().input_names  # type: ignore[attr-defined]
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self.load().output_names  # type: ignore[attr-defined]
+    def _names(self) -> Any:
+        return self.load()
 
     def input_specs(self) -> dict[str, tuple[tuple[int | str | None, ...], np.dtype | None]]:
         return self.load().input_specs()  # type: ignore[attr-defined]

@@ -44,7 +44,7 @@ from ....errors import EngineMismatchError, InputError, TrtCosyError
 from ...graphs import FLOW_ESTIMATOR_INCREMENTAL, FLOW_STEP_INCREMENTAL
 from ...llm_decode import LLM_DECODE_NAME, device_cache_inputs
 from ...profiles import PROFILES_NAME, GraphProfiles, read_profiles
-from ..base import engine_file
+from ..base import NamesFrom, engine_file
 from .bindings import PlanIO, TensorInfo, dims, nbytes
 from .cuda import CudaError, CudaGraph, DeviceBuffer, Event, PinnedBuffer, Stream
 from .kv import TrtKVDecoder
@@ -165,7 +165,7 @@ class _Captured:
     addresses: tuple
 
 
-class TrtRunner:
+class TrtRunner(NamesFrom):
     """A ``Runner`` over a TensorRT engine (see the module docstring for the hot-path contract).
 
     Output-buffer contract: ``infer`` returns fresh arrays owned by the caller. ``device_tensor``
@@ -231,12 +231,8 @@ class TrtRunner:
     # -- Runner interface -------------------------------------------------------------------------
 
     @property
-    def input_names(self) -> tuple[str, ...]:
-        return self._plan.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._plan.output_names
+    def _names(self) -> PlanIO:
+        return self._plan
 
     @property
     def slots(self) -> int:
