@@ -52,12 +52,11 @@ import itertools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from .speed_model import DEFAULT_ALPHA, SpeedModel
+from .speed_model import DEFAULT_ALPHA, MARGIN_RANGE, FinishAccuracy, SpeedModel
 
 __all__ = [
     "SpeedModel",
@@ -70,6 +69,7 @@ __all__ = [
     "DEFAULT_OTHERS_MARGIN",
     "DEFAULT_ALPHA",
     "FinishAccuracy",
+    "MARGIN_RANGE",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -81,55 +81,6 @@ DEFAULT_OTHERS_MARGIN: Final = 0.95
 """Share of an admitted request's timeout that later, shorter requests served before it may push
 its predicted finish to: they use the estimation margin of the long requests admitted before them
 (so that short requests keep completing while long ones fill the server), not all of it."""
-MARGIN_RANGE: Final = (0.5, 0.9)
-"""Bounds of the learnt margin (``FinishAccuracy``): at most 0.9 however exact the predictions were
-(a request may speak longer than any before it), at least 0.5 however late they ran."""
-FINISH_SLACK: Final = 0.1
-"""Added to the worst over-run seen: a prediction that proved exact still leaves 10 % for what it
-has not seen (a machine that gets busier, a text spoken longer)."""
-FINISH_HISTORY: Final = 16
-"""Completed requests whose prediction accuracy the learnt margin remembers."""
-
-
-class FinishAccuracy:
-    """How late completed requests finished against the finish predicted when they were admitted,
-    and the margin of the timeout that this accuracy calls for.
-
-    Each completed request gives ``actual / predicted`` seconds from admission to its end. The margin
-    the predictions proved is ``1 / (worst of the last FINISH_HISTORY + FINISH_SLACK)``; with ``n``
-    requests seen, the margin used moves from the configured one that far by ``n / (n + 1)`` (one
-    request is half the evidence of many), within ``MARGIN_RANGE``. A machine that ran 3 % over its
-    predictions thus admits up to 0.84 of a timeout after one request and 0.88 after eight, where
-    a fixed 0.8 refused a second request of a burst that would have finished in 81 % of it
-    (docs/benchmarks.md, "Admission by expected work").
-    """
-
-    def __init__(self, margin: float, history: int = FINISH_HISTORY):
-        self.configured = margin
-        self._ratios: deque[float] = deque(maxlen=history)
-        self.seen = 0
-
-    def observe(self, predicted_s: float, actual_s: float) -> None:
-        """A request predicted to end ``predicted_s`` after its admission ended after ``actual_s``."""
-        if not (math.isfinite(predicted_s) and predicted_s > 0 and math.isfinite(actual_s) and actual_s > 0):
-            return
-        self._ratios.append(actual_s / predicted_s)
-        self.seen += 1
-
-    @property
-    def worst(self) -> float | None:
-        """The largest ``actual / predicted`` remembered; None before any."""
-        return max(self._ratios) if self._ratios else None
-
-    def margin(self) -> float:
-        """The share of a timeout a predicted finish may use now."""
-        worst = self.worst
-        if worst is None:
-            return self.configured
-        proved = 1.0 / (max(worst, 0.0) + FINISH_SLACK)
-        weight = self.seen / (self.seen + 1)
-        low, high = MARGIN_RANGE
-        return min(high, max(low, self.configured + weight * (proved - self.configured)))
 
 
 @dataclass(eq=False)
